@@ -1,0 +1,39 @@
+"""oiq_mlx: 2-8 bit KV cache for mlx-lm with Orthogonal Invariance Quantization.
+
+Every key and value head vector is rotated by a sign-randomized Walsh-Hadamard
+transform, quantized per group with one float16 scale, and packed into uint32
+words; attention rotates the query instead of un-rotating keys.
+"""
+
+from ._platform import preload_openblas
+
+preload_openblas()
+
+from .codec import (  # noqa: E402
+    SUPPORTED_BITS,
+    SUPPORTED_GROUP_SIZES,
+    bytes_per_token,
+    dequantize,
+    pack_codes,
+    quantize,
+    unpack_codes,
+)
+from .rotation import hadamard_block_size, is_rotatable, random_signs, rotate, rotation_matrix, unrotate  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "SUPPORTED_BITS",
+    "SUPPORTED_GROUP_SIZES",
+    "bytes_per_token",
+    "dequantize",
+    "hadamard_block_size",
+    "is_rotatable",
+    "pack_codes",
+    "quantize",
+    "random_signs",
+    "rotate",
+    "rotation_matrix",
+    "unpack_codes",
+    "unrotate",
+]

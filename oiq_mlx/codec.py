@@ -1,0 +1,247 @@
+"""Reference OIQ codec: per-group quantization of rotated vectors, bit packing.
+
+This module is the specification the Metal kernels are tested against: plain
+MLX ops, float32 math.
+
+Level scheme (mid-rise, symmetric)
+----------------------------------
+A group of ``g`` values with scale ``s`` stores codes ``c`` in
+``[0, 2**bits - 1]`` and decodes to ``s * (c - (2**bits - 1) / 2)``: all
+``2**bits`` codes are used, levels sit at odd multiples of ``s / 2``.  With the
+abs-max rule ``s = 2 * max|y| / (2**bits - 1)`` the outermost levels hit
+``+-max|y|`` and every value is within ``s / 2`` of its level.  The mid-tread
+alternative (zero as a level) wastes one code, which at 2 bits leaves three
+levels and breaks the model (DESIGN section 9).
+
+``clip=True`` picks, per group, the scale among ``CLIP_RATIOS * absmax`` that
+minimises the group's squared error (values beyond the outer level saturate).
+Rotated coordinates are near-Gaussian, for which abs-max is far from the MSE
+optimum at 2-3 bits.
+
+Storage is the layout of ``mx.quantize``: codes of one vector form one
+little-endian, LSB-first bit stream packed into uint32 words (value ``i`` in
+bits ``[i*bits, (i+1)*bits)``; 3-, 5- and 6-bit values straddle words), one
+float16 scale per group.  ``mx.dequantize(codes, scales, -scales *
+(2**bits - 1) / 2, group_size, bits)`` therefore decodes our codes too.
+
+Non-finite input
+----------------
+A group that contains NaN or +-Inf is stored with all codes 0 and scale NaN,
+so it decodes to NaN: the damage is visible and confined to that group (after
+rotation, to that token and head); codes of every other group and token are
+unaffected.  Scales are stored in float16: a group whose scale exceeds the
+float16 range (|y| above ~3e5 at 2 bits) saturates to the largest float16
+scale rather than becoming Inf.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+_FP16_MAX = 65504.0
+
+
+def check_bits(bits, what: str = "bits") -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in SUPPORTED_BITS:
+        raise ValueError(f"{what}={bits!r} is not supported; choose one of {SUPPORTED_BITS}")
+    return int(bits)
+
+
+def check_group_size(group_size, dim: int | None = None) -> int:
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, (int, np.integer))
+        or int(group_size) not in SUPPORTED_GROUP_SIZES
+    ):
+        raise ValueError(f"group_size={group_size!r} is not supported; choose one of {SUPPORTED_GROUP_SIZES}")
+    if dim is not None and dim % group_size != 0:
+        raise ValueError(f"head dimension {dim} is not divisible by group_size={group_size}")
+    return int(group_size)
+
+
+def packed_width(dim: int, bits: int) -> int:
+    """Number of uint32 words holding one ``dim``-vector at ``bits`` bits."""
+    if (dim * bits) % 32:
+        raise ValueError(f"dimension {dim} at {bits} bits does not fill whole 32-bit words")
+    return dim * bits // 32
+
+
+def bytes_per_token(head_dim: int = 128, bits: int = 4, group_size: int = 32) -> int:
+    """Bytes one token costs per KV head for keys *or* values: packed codes plus
+    one float16 scale per group.  128/4/32 -> 72 (fp16 would be 256)."""
+    bits = check_bits(bits)
+    group_size = check_group_size(group_size, head_dim)
+    return head_dim * bits // 8 + 2 * (head_dim // group_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _pack_plan(bits: int):
+    """Index/shift tables packing 32 codes into ``bits`` words (one chunk).
+
+    Word ``j`` of a chunk is ``sum_k (c[idx[j,k]] << lsh[j,k]) >> rsh[j,k]``
+    (masked by ``use``): a value either starts in word ``j`` (left shift) or
+    straddles into it from word ``j-1`` (right shift by the bits already
+    written).
+    """
+    contrib = [[] for _ in range(bits)]
+    for i in range(32):
+        off = i * bits
+        w, sh = divmod(off, 32)
+        contrib[w].append((i, sh, 0))
+        if sh + bits > 32:
+            contrib[w + 1].append((i, 0, 32 - sh))
+    k = max(len(c) for c in contrib)
+    idx = np.zeros((bits, k), np.int32)
+    lsh = np.zeros((bits, k), np.uint32)
+    rsh = np.zeros((bits, k), np.uint32)
+    use = np.zeros((bits, k), np.uint32)
+    for j, c in enumerate(contrib):
+        for n, (i, ls, rs) in enumerate(c):
+            idx[j, n], lsh[j, n], rsh[j, n], use[j, n] = i, ls, rs, 1
+    return idx, lsh, rsh, use
+
+
+@functools.lru_cache(maxsize=None)
+def _unpack_plan(bits: int):
+    """For each of 32 values of a chunk: word, shift, and the straddle part."""
+    w = np.zeros(32, np.int32)
+    sh = np.zeros(32, np.uint32)
+    w2 = np.zeros(32, np.int32)
+    sh2 = np.zeros(32, np.uint32)
+    hi = np.zeros(32, np.uint32)
+    for i in range(32):
+        w[i], sh[i] = divmod(i * bits, 32)
+        if sh[i] + bits > 32:
+            w2[i], sh2[i], hi[i] = w[i] + 1, 32 - sh[i], 1
+        else:
+            w2[i] = w[i]
+    return w, sh, w2, sh2, hi
+
+
+def pack_codes(codes: mx.array, bits: int) -> mx.array:
+    """Pack integer codes ``(..., d)`` (values < 2**bits) into uint32 ``(..., d*bits/32)``."""
+    bits = check_bits(bits)
+    d = codes.shape[-1]
+    if d % 32:
+        raise ValueError(f"can only pack vectors whose length is a multiple of 32, got {d}")
+    idx, lsh, rsh, use = (mx.array(a) for a in _pack_plan(bits))
+    c = codes.astype(mx.uint32).reshape(*codes.shape[:-1], d // 32, 32)
+    parts = (mx.take(c, idx.reshape(-1), axis=-1).reshape(*c.shape[:-1], *idx.shape) << lsh) >> rsh
+    words = mx.sum(parts * use, axis=-1).astype(mx.uint32)
+    return words.reshape(*codes.shape[:-1], d * bits // 32)
+
+
+def unpack_codes(packed: mx.array, bits: int) -> mx.array:
+    """Inverse of :func:`pack_codes`: uint32 ``(..., d*bits/32)`` -> uint32 codes ``(..., d)``."""
+    bits = check_bits(bits)
+    if packed.dtype != mx.uint32:
+        raise ValueError(f"packed codes must be uint32, got {packed.dtype}")
+    nw = packed.shape[-1]
+    if nw % bits:
+        raise ValueError(f"{nw} words is not a whole number of {bits}-bit chunks of 32 values")
+    w, sh, w2, sh2, hi = (mx.array(a) for a in _unpack_plan(bits))
+    p = packed.reshape(*packed.shape[:-1], nw // bits, bits)
+    lo = mx.take(p, w, axis=-1) >> sh
+    up = (mx.take(p, w2, axis=-1) << sh2) * hi
+    codes = (lo | up) & mx.array((1 << bits) - 1, mx.uint32)
+    return codes.reshape(*packed.shape[:-1], nw // bits * 32)
+
+
+def _check_floating(y) -> mx.array:
+    if not isinstance(y, mx.array):
+        raise ValueError(f"expected an mx.array, got {type(y).__name__}")
+    if not mx.issubdtype(y.dtype, mx.floating):
+        raise ValueError(f"expected float16, bfloat16 or float32 input, got {y.dtype}")
+    if y.ndim < 1:
+        raise ValueError("expected an array with at least one dimension")
+    return y
+
+
+def _levels_half(bits: int) -> float:
+    return ((1 << bits) - 1) / 2.0
+
+
+def _codes_for_scale(yg: mx.array, scale: mx.array, bits: int) -> mx.array:
+    """Codes (float32, integral) of grouped values ``yg`` for a given scale."""
+    half = _levels_half(bits)
+    safe = mx.where(scale > 0, scale, 1.0)
+    c = mx.clip(mx.round(yg / safe + half), 0, 2 * half)
+    return mx.where(scale > 0, c, 0.0)
+
+
+def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = False):
+    """Quantize (rotated) vectors per group with a symmetric mid-rise grid.
+
+    Args:
+        y: ``(..., d)`` float16/bfloat16/float32, ``d`` divisible by
+            ``group_size`` and ``d * bits`` by 32.
+        bits: one of 2, 3, 4, 5, 6, 8.
+        group_size: one of 32, 64, 128.
+        clip: choose each group's scale by MSE search over ``CLIP_RATIOS``
+            instead of plain abs-max.
+
+    Returns:
+        ``(codes, scales)``: uint32 ``(..., d * bits / 32)`` and float16
+        ``(..., d / group_size)``.
+    """
+    y = _check_floating(y)
+    bits = check_bits(bits)
+    d = y.shape[-1]
+    group_size = check_group_size(group_size, d)
+    packed_width(d, bits)
+    half = _levels_half(bits)
+    yg = y.astype(mx.float32).reshape(*y.shape[:-1], d // group_size, group_size)
+    finite = mx.all(mx.isfinite(yg), axis=-1, keepdims=True)
+    yg = mx.where(finite, yg, 0.0)
+    amax = mx.max(mx.abs(yg), axis=-1, keepdims=True)
+    if clip:
+        ratios = mx.array(CLIP_RATIOS, mx.float32)
+        cand = _round_scale(amax * ratios / half)  # (..., ng, C)
+        cg = _codes_for_scale(yg[..., None, :], cand[..., None], bits)
+        err = mx.sum(mx.square((cg - half) * cand[..., None] - yg[..., None, :]), axis=-1)
+        best = mx.argmin(err, axis=-1, keepdims=True)
+        scale = mx.take_along_axis(cand, best, axis=-1)
+    else:
+        scale = _round_scale(amax / half)
+    codes = _codes_for_scale(yg, scale, bits)
+    scale = mx.where(finite, scale, mx.nan)
+    codes = codes.reshape(*y.shape[:-1], d).astype(mx.uint32)
+    return pack_codes(codes, bits), scale.squeeze(-1).astype(mx.float16)
+
+
+def _round_scale(s: mx.array) -> mx.array:
+    """Scales as they will be stored (float16, saturated), back in float32."""
+    return mx.minimum(s, _FP16_MAX).astype(mx.float16).astype(mx.float32)
+
+
+def dequantize(codes: mx.array, scales: mx.array, bits: int = 4, group_size: int = 32, *, dtype=mx.float32):
+    """Decode :func:`quantize` output back to values ``(..., d)`` in ``dtype``.
+
+    Equals ``mx.dequantize(codes, scales, -scales * (2**bits - 1) / 2,
+    group_size=group_size, bits=bits)`` up to float rounding.
+    """
+    bits = check_bits(bits)
+    if codes.dtype != mx.uint32:
+        raise ValueError(f"codes must be uint32, got {codes.dtype}")
+    d = codes.shape[-1] * 32 // bits
+    group_size = check_group_size(group_size, d)
+    if scales.shape[-1] != d // group_size or scales.shape[:-1] != codes.shape[:-1]:
+        raise ValueError(
+            f"scales shape {scales.shape} does not match codes shape {codes.shape} "
+            f"(expected (..., {d // group_size}) for d={d}, group_size={group_size})"
+        )
+    c = unpack_codes(codes, bits).astype(mx.float32) - _levels_half(bits)
+    c = c.reshape(*codes.shape[:-1], d // group_size, group_size)
+    out = c * scales.astype(mx.float32)[..., None]
+    return out.reshape(*codes.shape[:-1], d).astype(dtype)
+
+
+def affine_biases(scales: mx.array, bits: int) -> mx.array:
+    """Biases that make ``mx.dequantize`` / ``mx.quantized_matmul`` decode OIQ codes."""
+    return -scales * _levels_half(bits)
