@@ -1,0 +1,1 @@
+"""Fused Metal kernels for the quantized KV cache."""
