@@ -149,12 +149,14 @@ _PARAM = re.compile(r"^\s*(?P<type>.*?)\s*\b(?P<name>\w+)\s*\[\[\s*(?P<attr>\w+)
 
 def _parse(src):
     """Split MLX's text into (body text, kernel name, template args, params)."""
-    inst = re.search(r"^template \[\[host_name\(\"(\w+)\"\)\]\] \[\[kernel\]\] decltype\((\w+)(<.*>)?\) .*;$",
+    name = re.search(r"\[\[kernel\]\]\s*void\s+(\w+)", src).group(1)
+    inst = re.search(r"^template \[\[host_name\(.*\)\]\] \[\[kernel\]\] decltype\(\w+(<.*>)\) .*;$",
                      src, re.M)
-    if not inst:
-        raise MetalEmuError("cannot find the kernel instantiation in the generated source")
-    name, targs = inst.group(2), inst.group(3) or ""
-    body = src[: inst.start()] + src[inst.end():]
+    if inst:
+        targs = inst.group(1)
+        body = src[: inst.start()] + src[inst.end():]
+    else:  # no template arguments: a plain function
+        targs, body = "", src
     sig = re.search(r"\[\[kernel\]\]\s*void\s+" + name + r"\s*\((.*?)\)\s*\{", body, re.S)
     if not sig:
         raise MetalEmuError(f"cannot find the signature of {name}")

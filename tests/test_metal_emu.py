@@ -1,0 +1,255 @@
+"""The CPU Metal emulator runs MLX-generated kernels faithfully and catches misuse."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import metal_emu
+from metal_emu import MetalEmuError, MetalEmuUnsupported, launch
+
+
+def _kernel(name, source, inputs, outputs, header=""):
+    return mx.fast.metal_kernel(name=name, input_names=inputs, output_names=outputs,
+                                source=source, header=header, ensure_row_contiguous=True)
+
+
+# ---------------------------------------------------------------- elementwise
+_AXPB = _kernel("emu_axpb", """
+    uint i = thread_position_in_grid.x;
+    if (i >= n) return;
+    out[i] = static_cast<T>(metal::exp(static_cast<float>(x[i])) * a + static_cast<float>(y[i]));
+""", ["x", "y", "a", "n"], ["out"])
+
+
+@pytest.mark.parametrize("dtype, tol", [
+    # fp32 differs only by exp's last-ulp; half/bf16 by one rounding of the result.
+    (mx.float32, 1e-6), (mx.float16, 1e-3), (mx.bfloat16, 8e-3)])
+def test_elementwise_template_dtype(dtype, tol):
+    n = 1000
+    x = mx.random.normal((n,), key=mx.random.key(0)).astype(dtype)
+    y = mx.random.normal((n,), key=mx.random.key(1)).astype(dtype)
+    (out,) = launch(_AXPB, inputs=[x, y, 0.5, n], template=[("T", dtype)], grid=(1024, 1, 1),
+                    threadgroup=(256, 1, 1), output_shapes=[(n,)], output_dtypes=[dtype])
+    assert out.dtype == dtype and out.shape == (n,)
+    ref = (mx.exp(x.astype(mx.float32)) * 0.5 + y.astype(mx.float32)).astype(dtype)
+    err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))
+    scale = mx.maximum(mx.abs(ref.astype(mx.float32)), 1.0)
+    assert (err / scale).max().item() <= tol
+
+
+def test_unwritten_output_is_poisoned():
+    (out,) = launch(_AXPB, inputs=[mx.zeros((8,)), mx.zeros((8,)), 1.0, 8],
+                    template=[("T", mx.float32)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
+                    output_shapes=[(16,)], output_dtypes=[mx.float32])
+    assert np.all(np.array(out[:8]) == 1.0)
+    assert np.all(np.isnan(np.array(out[8:])))
+
+
+# ---------------------------------------------------------------- grid shape
+_COUNT = _kernel("emu_count", """
+    uint3 p = thread_position_in_grid;
+    uint idx = (p.z * grid_size.y + p.y) * grid_size.x + p.x;
+    hits[idx] += 1u;
+    lin[idx] = thread_index_in_threadgroup
+             + 10000u * (threadgroup_position_in_grid.x + 100u * threadgroup_position_in_grid.y);
+    tpt[idx] = threads_per_threadgroup.x * threads_per_threadgroup.y * threads_per_threadgroup.z;
+""", [], ["hits", "lin", "tpt"])
+
+
+@pytest.mark.parametrize("grid, tg", [((257, 1, 1), (32, 1, 1)), ((37, 11, 3), (8, 4, 2))])
+def test_partial_edge_threadgroups_run_every_thread_once(grid, tg):
+    n = grid[0] * grid[1] * grid[2]
+    hits, lin, tpt = launch(_COUNT, inputs=[], grid=grid, threadgroup=tg, init_value=0,
+                            output_shapes=[(n,)] * 3, output_dtypes=[mx.uint32] * 3)
+    assert np.array_equal(np.array(hits), np.ones(n, np.uint32))
+    # Edge groups are smaller: their size is min(tg, grid - origin) per dimension.
+    pos = np.stack(np.meshgrid(*[np.arange(g) for g in grid], indexing="ij"), -1)
+    pos = pos.transpose(2, 1, 0, 3).reshape(-1, 3)
+    origin = pos // np.array(tg) * np.array(tg)
+    size = np.minimum(np.array(tg), np.array(grid) - origin)
+    local = pos - origin
+    want_lin = local[:, 0] + size[:, 0] * (local[:, 1] + size[:, 1] * local[:, 2])
+    group = pos // np.array(tg)
+    want_lin = want_lin + 10000 * (group[:, 0] + 100 * group[:, 1])
+    assert np.array_equal(np.array(lin), want_lin)
+    assert np.array_equal(np.array(tpt), size.prod(-1))
+
+
+# ---------------------------------------------------------------- threadgroup memory
+_TREE_SUM = """
+    threadgroup float buf[TG];
+    uint t = thread_position_in_threadgroup.x;
+    uint row = threadgroup_position_in_grid.x;
+    float acc = 0.0f;
+    for (uint i = t; i < uint(n); i += TG) acc += x[row * n + i];
+    buf[t] = acc;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint s = TG / 2; s > 0; s >>= 1) {
+        if (t < s) buf[t] += buf[t + s];
+        BARRIER
+    }
+    if (t == 0) out[row] = buf[0];
+"""
+_REDUCE = _kernel("emu_tree_sum", _TREE_SUM.replace(
+    "BARRIER", "threadgroup_barrier(mem_flags::mem_threadgroup);"), ["x", "n"], ["out"])
+_REDUCE_NO_BARRIER = _kernel("emu_tree_sum_racy", _TREE_SUM.replace("BARRIER", ""),
+                             ["x", "n"], ["out"])
+
+
+def _tree_sum(kernel, x):
+    rows, n = x.shape
+    return launch(kernel, inputs=[x, n], template=[("TG", 128)], grid=(rows * 128, 1, 1),
+                  threadgroup=(128, 1, 1), output_shapes=[(rows,)], output_dtypes=[mx.float32])[0]
+
+
+def test_threadgroup_memory_tree_reduction():
+    x = mx.random.uniform(shape=(5, 1000), key=mx.random.key(2))
+    out = _tree_sum(_REDUCE, x)
+    np.testing.assert_allclose(np.array(out), np.array(x, np.float64).sum(1), rtol=1e-5)
+
+
+def test_missing_barrier_gives_stale_reads():
+    # Each fiber runs until its next yield point, so without the barrier thread
+    # 0 finishes the whole tree before the others add their partial sums.
+    x = mx.random.uniform(shape=(5, 1000), key=mx.random.key(2))
+    out = _tree_sum(_REDUCE_NO_BARRIER, x)
+    ref = np.array(x, np.float64).sum(1)
+    assert not np.allclose(np.array(out), ref, rtol=1e-3)
+    assert np.array_equal(np.array(out), np.array(_tree_sum(_REDUCE_NO_BARRIER, x)))
+
+
+def test_threadgroup_memory_is_poisoned_per_group():
+    k = _kernel("emu_tg_poison", """
+        threadgroup uint buf[4];
+        uint g = threadgroup_position_in_grid.x;
+        if (g == 0 && thread_position_in_threadgroup.x == 0) buf[0] = 7u;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[g] = buf[0];
+    """, [], ["out"])
+    (out,) = launch(k, inputs=[], grid=(2, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(2,)],
+                    output_dtypes=[mx.uint32])
+    assert np.array(out).tolist() == [7, 0xFFFFFFFF]
+
+
+# ---------------------------------------------------------------- simd collectives
+_SIMD = _kernel("emu_simd", """
+    uint i = thread_position_in_grid.x;
+    uint lane = thread_index_in_simdgroup;
+    float v = x[i];
+    sum[i] = simd_sum(v);
+    mx_[i] = simd_max(v);
+    xr[i] = simd_shuffle_xor(v, 5);
+    pre[i] = simd_prefix_exclusive_sum(v);
+    bc[i] = simd_broadcast(v, 3);
+    dn[i] = simd_shuffle_down(v, 4);
+    isum[i] = simd_sum(int(lane));
+    sg[i] = simdgroup_index_in_threadgroup;
+""", ["x"], ["sum", "mx_", "xr", "pre", "bc", "dn", "isum", "sg"])
+
+
+def test_simd_collectives():
+    n = 128
+    x = mx.random.normal((n,), key=mx.random.key(3))
+    dts = [mx.float32] * 6 + [mx.int32, mx.uint32]
+    outs = launch(_SIMD, inputs=[x], grid=(n, 1, 1), threadgroup=(64, 1, 1),
+                  output_shapes=[(n,)] * 8, output_dtypes=dts)
+    s, m, xr, pre, bc, dn, isum, sg = (np.array(o) for o in outs)
+    xs = np.array(x).reshape(-1, 32)
+    lane = np.arange(32)
+    np.testing.assert_allclose(s, np.repeat(xs.sum(1), 32), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(m, np.repeat(xs.max(1), 32))
+    assert np.array_equal(xr, xs[:, lane ^ 5].reshape(-1))
+    excl = np.concatenate([np.zeros((4, 1)), np.cumsum(xs, 1)[:, :-1]], 1)
+    np.testing.assert_allclose(pre, excl.reshape(-1), rtol=1e-5, atol=1e-5)
+    assert np.array_equal(bc, np.repeat(xs[:, 3], 32))
+    down = np.where(lane + 4 < 32, xs[:, np.minimum(lane + 4, 31)], xs)
+    assert np.array_equal(dn, down.reshape(-1))
+    assert np.all(isum == sum(range(32)))
+    assert np.array_equal(sg, np.tile(np.repeat([0, 1], 32), 2))
+
+
+def test_simd_sum_in_partial_simdgroup_counts_active_lanes():
+    (out,) = launch(_SIMD, inputs=[mx.ones((40,))], grid=(40, 1, 1), threadgroup=(64, 1, 1),
+                    output_shapes=[(40,)] * 8, output_dtypes=[mx.float32] * 6 + [mx.int32, mx.uint32])[:1]
+    assert np.array(out).tolist() == [32.0] * 32 + [8.0] * 8
+
+
+# ---------------------------------------------------------------- scalars and shapes
+def test_scalar_inputs_and_shape_strides_ndim():
+    k = _kernel("emu_meta", """
+        uint i = thread_position_in_grid.x;
+        if (i >= uint(x_shape[0] * x_shape[1] * x_shape[2])) return;
+        int64_t loc = elem_to_loc(i, x_shape, x_strides, x_ndim);
+        out[i] = x[loc] * scale + float(offset) + float(x_ndim) * 1000.0f;
+        if (i == 0) {
+            for (int d = 0; d < x_ndim; ++d) meta[d] = int(x_strides[d]);
+            meta[3] = x_shape[1];
+        }
+    """, ["x", "scale", "offset"], ["out", "meta"])
+    base = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(4, 3, 2)
+    x = base.transpose(2, 1, 0)  # ensure_row_contiguous copies it, as MLX does
+    out, meta = launch(k, inputs=[x, mx.array(2.0), 7], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+                       output_shapes=[(2, 3, 4), (4,)], output_dtypes=[mx.float32, mx.int32])
+    np.testing.assert_array_equal(np.array(out), np.array(x) * 2.0 + 7 + 3000.0)
+    assert np.array(meta).tolist() == [12, 4, 1, 3]
+
+
+# ---------------------------------------------------------------- misuse
+def test_barrier_in_divergent_branch_raises():
+    k = _kernel("emu_bad_barrier", """
+        uint t = thread_position_in_threadgroup.x;
+        if (t < 16) {
+            threadgroup_barrier(mem_flags::mem_threadgroup);
+        }
+        out[thread_position_in_grid.x] = 1.0f;
+    """, [], ["out"])
+    with pytest.raises(MetalEmuError, match="only part of the threadgroup"):
+        launch(k, inputs=[], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
+               output_dtypes=[mx.float32])
+
+
+def test_simd_op_divergence_raises():
+    k = _kernel("emu_bad_simd", """
+        uint lane = thread_index_in_simdgroup;
+        float v = 1.0f;
+        if (lane < 8) v = simd_sum(v); else v = simd_max(v);
+        out[thread_position_in_grid.x] = v;
+    """, [], ["out"])
+    with pytest.raises(MetalEmuError, match="simdgroup 0 diverged"):
+        launch(k, inputs=[], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32,)],
+               output_dtypes=[mx.float32])
+
+
+def test_simdgroup_matrix_is_unsupported():
+    k = _kernel("emu_mma", """
+        simdgroup_float8x8 a;
+        simdgroup_load(a, x, 8);
+        out[0] = 0.0f;
+    """, ["x"], ["out"])
+    with pytest.raises(MetalEmuUnsupported, match="simdgroup_matrix"):
+        launch(k, inputs=[mx.zeros((64,))], grid=(32, 1, 1), threadgroup=(32, 1, 1),
+               output_shapes=[(1,)], output_dtypes=[mx.float32])
+
+
+def test_out_of_bounds_write_raises():
+    k = _kernel("emu_oob", "out[thread_position_in_grid.x + 1] = 1.0f;", [], ["out"])
+    with pytest.raises(MetalEmuError, match="wrote outside buffer 'out'"):
+        launch(k, inputs=[], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
+               output_dtypes=[mx.float32])
+
+
+def test_compile_error_names_the_line():
+    k = _kernel("emu_typo", "out[0] = not_a_function(1.0f);", [], ["out"])
+    with pytest.raises(metal_emu.MetalEmuCompileError, match="not_a_function"):
+        launch(k, inputs=[], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+               output_dtypes=[mx.float32])
+
+
+def test_use_emulator_patches_the_launcher(monkeypatch):
+    import oiq_mlx.kernels._launch as _launch
+
+    metal_emu.use_emulator(monkeypatch)
+    (out,) = _launch.launch(_AXPB, inputs=[mx.zeros((4,)), mx.ones((4,)), 2.0, 4],
+                            template=[("T", mx.float32)], grid=(4, 1, 1), threadgroup=(4, 1, 1),
+                            output_shapes=[(4,)], output_dtypes=[mx.float32])
+    assert np.array(out).tolist() == [3.0] * 4
