@@ -1,0 +1,164 @@
+"""OIQ attention over an :class:`~oiq_mlx.cache.OIQKVCache`.
+
+``q . k == r(q) . r(k)`` and ``sum_i p_i v_i == r^-1(sum_i p_i r(v_i))``
+(DESIGN section 2): the query is rotated once, scores are taken against the
+stored rotated keys, values are accumulated in the rotated domain and the
+output is un-rotated once.  Keys are never un-rotated.
+
+Two reference paths (plain MLX ops), picked by the number of queries:
+
+* decode (``L <= DECODE_MAX_QUERIES``): scores of the full-precision segments
+  by matmul and of the packed segment by ``mx.quantized_matmul`` on the codes
+  (no float copy of the quantized cache is made); one softmax over all
+  segments, which is the log-sum-exp merge of their partial results done in
+  one step;
+* prefill: the packed segment is dequantized for this layer only and
+  ``mx.fast.scaled_dot_product_attention`` runs on the rotated K/V, so peak
+  memory stays that of the full-precision cache of one layer.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from . import dispatch
+from .codec import affine_biases, dequantize
+from .rotation import rotate, unrotate
+
+DECODE_MAX_QUERIES = 8
+
+
+def _pad_last(x: mx.array, dim: int) -> mx.array:
+    if x.shape[-1] == dim:
+        return x
+    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
+
+
+def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:
+    """Attention of ``queries`` over everything ``cache`` holds.
+
+    Args:
+        queries: ``(B, n_q_heads, L, head_dim)``.
+        cache: an OIQKVCache that already received this step's keys/values.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        mask: None, ``"causal"`` or an array broadcastable to
+            ``(B, n_q_heads, L, offset)`` (bool, or additive).
+        sinks: optional per-head attention-sink logits ``(n_q_heads,)``.
+
+    Returns:
+        ``(B, n_q_heads, L, v_head_dim)`` in ``queries.dtype``.
+    """
+    B, n_q, L, d = queries.shape
+    k, v = cache.k, cache.v
+    if d != k.head_dim:
+        raise ValueError(f"queries have head_dim {d}, the cache holds keys of dimension {k.head_dim}")
+    n_kv = k.sink.shape[1]
+    if n_q % n_kv:
+        raise ValueError(f"{n_q} query heads cannot share {n_kv} KV heads")
+    if sinks is not None and v.mean is not None:
+        raise ValueError("attention sinks cannot be combined with center_values=True")
+    q = rotate(_pad_last(queries.astype(mx.float32) * scale, k.dim), k.signs)
+    fused = dispatch.decode_attention_kernel(cache, q, mask, sinks)
+    if fused is not None:
+        out = fused
+    elif L <= DECODE_MAX_QUERIES:
+        out = _decode_reference(q, cache, mask, sinks)
+    else:
+        out = _prefill_reference(q, cache, mask, sinks, queries.dtype)
+    if v.mean is not None:
+        out = out + mx.repeat(v.mean, n_q // n_kv, axis=1)
+    out = unrotate(out.astype(mx.float32), v.signs)[..., : v.head_dim]
+    return out.astype(queries.dtype)
+
+
+def _gqa_mask(mask, n_kv: int, rep: int, L: int, T: int):
+    """Bring ``mask`` to a shape broadcastable to ``(B, n_kv, rep, L, T)``."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported mask {mask!r}")
+        if L == 1:
+            return None
+        return mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
+    if mask.ndim == 4 and mask.shape[1] != 1:
+        return mask.reshape(mask.shape[0], n_kv, rep, *mask.shape[2:])
+    if mask.ndim == 4:
+        return mx.expand_dims(mask, 2)
+    return mask
+
+
+def _decode_reference(q: mx.array, cache, mask, sinks) -> mx.array:
+    """Few queries: returns rotated outputs ``(B, n_q, L, v_dim)`` (centered)."""
+    B, n_q, L, dq = q.shape
+    k, v, gs = cache.k, cache.v, cache.config.group_size
+    sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
+    n_kv = k.sink.shape[1]
+    rep = n_q // n_kv
+    qg = q.reshape(B, n_kv, rep, L, dq)
+    parts = []
+    if sink_k is not None:
+        parts.append(qg @ mx.expand_dims(sink_k.astype(mx.float32), 2).swapaxes(-1, -2))
+    if quant is not None:
+        kc, ks, vc, vs = quant
+        ks = ks.astype(mx.float32)
+        parts.append(
+            mx.quantized_matmul(
+                qg, kc[:, :, None], ks[:, :, None], affine_biases(ks, k.bits)[:, :, None],
+                transpose=True, group_size=gs, bits=k.bits,
+            )
+        )
+    if recent_k is not None:
+        parts.append(qg @ mx.expand_dims(recent_k.astype(mx.float32), 2).swapaxes(-1, -2))
+    scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+    T = scores.shape[-1]
+    m = _gqa_mask(mask, n_kv, rep, L, T)
+    if m is not None:
+        if m.dtype == mx.bool_:
+            scores = mx.where(m, scores, -mx.inf)
+        else:
+            scores = scores + m.astype(mx.float32)
+    if sinks is not None:
+        sink_logits = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, n_kv, rep, 1, 1), (B, n_kv, rep, L, 1))
+        scores = mx.concatenate([sink_logits, scores], axis=-1)
+        p = mx.softmax(scores, axis=-1, precise=True)[..., 1:]
+    else:
+        p = mx.softmax(scores, axis=-1, precise=True)
+    out = 0.0
+    i = 0
+    if sink_v is not None:
+        n = sink_v.shape[2]
+        out = out + p[..., i : i + n] @ mx.expand_dims(sink_v.astype(mx.float32), 2)
+        i += n
+    if quant is not None:
+        n = vc.shape[2]
+        vs = vs.astype(mx.float32)
+        out = out + mx.quantized_matmul(
+            p[..., i : i + n], vc[:, :, None], vs[:, :, None], affine_biases(vs, v.bits)[:, :, None],
+            transpose=False, group_size=gs, bits=v.bits,
+        )
+        i += n
+    if recent_v is not None:
+        out = out + p[..., i:] @ mx.expand_dims(recent_v.astype(mx.float32), 2)
+    return out.reshape(B, n_q, L, v.dim)
+
+
+def _prefill_reference(q: mx.array, cache, mask, sinks, dtype) -> mx.array:
+    """Many queries: dequantize this layer's packed segment, fused SDPA."""
+    k, v, gs = cache.k, cache.v, cache.config.group_size
+    sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
+    ks_, vs_ = [], []
+    if sink_k is not None:
+        ks_.append(sink_k), vs_.append(sink_v)
+    if quant is not None:
+        kc, ksc, vc, vsc = quant
+        ks_.append(dequantize(kc, ksc, k.bits, gs, dtype=cache.dtype))
+        vs_.append(dequantize(vc, vsc, v.bits, gs, dtype=cache.dtype))
+    if recent_k is not None:
+        ks_.append(recent_k), vs_.append(recent_v)
+    keys = mx.concatenate(ks_, axis=2) if len(ks_) > 1 else ks_[0]
+    values = mx.concatenate(vs_, axis=2) if len(vs_) > 1 else vs_[0]
+    compute = cache.dtype
+    return mx.fast.scaled_dot_product_attention(
+        q.astype(compute), keys, values, scale=1.0, mask=mask, sinks=sinks
+    )

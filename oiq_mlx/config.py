@@ -1,0 +1,93 @@
+"""OIQ cache configuration: one validated dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+
+from .codec import check_bits, check_group_size
+from .rotation import hadamard_block_size
+
+
+def _check_int(name: str, value, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class OIQConfig:
+    """How an OIQ cache stores keys and values.
+
+    Attributes:
+        k_bits, v_bits: bits per key / value coordinate: 2, 3, 4, 5, 6 or 8.
+        group_size: coordinates sharing one float16 scale: 32, 64 or 128.
+        seed: seed of the random sign vectors (one per layer, stored with the cache).
+        sink_tokens: the first S tokens of the sequence are kept in full precision.
+        window: the most recent W tokens are kept in full precision; older
+            tokens are quantized as they leave the window.
+        quantize_after: nothing is quantized until the cache holds more than
+            this many tokens (mlx-lm's ``quantized_kv_start``).
+        clip: choose each group's scale by a per-group MSE search instead of
+            abs-max (helps at 2-3 bits).
+        center_keys, center_values: subtract a per-head, per-channel mean
+            (estimated on the first chunk written to the cache, usually the
+            prompt) before quantizing.  Exact for attention: a key shift changes
+            every score of a query by the same amount, a value shift is added
+            back to the output.
+        trim_reserve: full-precision copies of this many tokens beyond the
+            window are kept so that ``trim`` (speculative decoding) restores
+            the exact never-generated state.
+    """
+
+    k_bits: int = 4
+    v_bits: int = 4
+    group_size: int = 32
+    seed: int = 0
+    sink_tokens: int = 4
+    window: int = 32
+    quantize_after: int = 0
+    clip: bool = False
+    center_keys: bool = True
+    center_values: bool = False
+    trim_reserve: int = 16
+
+    def __post_init__(self):
+        check_bits(self.k_bits, "k_bits")
+        check_bits(self.v_bits, "v_bits")
+        check_group_size(self.group_size)
+        for name in ("seed", "sink_tokens", "window", "quantize_after", "trim_reserve"):
+            _check_int(name, getattr(self, name))
+        for name in ("clip", "center_keys", "center_values"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def storage_dim(self, head_dim: int) -> int:
+        """Length of the stored (rotated) vectors for a head of ``head_dim``.
+
+        Heads whose dimension is not a multiple of ``group_size`` (80 and 112
+        at group 32) are zero-padded to the next multiple before rotation;
+        padding changes no dot product and costs the extra coordinates.
+        Raises ``ValueError`` when no rotation serves the padded size.
+        """
+        _check_int("head_dim", head_dim, 1)
+        dim = -(-head_dim // self.group_size) * self.group_size
+        hadamard_block_size(dim)
+        return dim
+
+    def bytes_per_token(self, head_dim: int) -> float:
+        """Bytes of quantized storage per token per KV head, keys and values together."""
+        d = self.storage_dim(head_dim)
+        scales = 2 * 2 * (d // self.group_size)
+        return d * (self.k_bits + self.v_bits) / 8 + scales
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "OIQConfig":
+        return cls(**json.loads(text))

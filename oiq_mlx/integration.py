@@ -1,0 +1,104 @@
+"""The one module that touches mlx-lm internals.
+
+* mlx-lm models call ``scaled_dot_product_attention`` imported *by name* from
+  ``mlx_lm.models.base`` into each model module; :func:`install` wraps it in
+  ``base`` and in every loaded ``mlx_lm.models.*`` module so that OIQ caches
+  go to :func:`oiq_mlx.attention.oiq_attention`.  Every other cache reaches
+  the original function unchanged.  Idempotent.
+* ``load_prompt_cache`` finds cache classes with ``globals()[name]`` inside
+  ``mlx_lm.models.cache``; :func:`install` registers ``OIQKVCache`` there.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import mlx_lm.models.base as _base
+import mlx_lm.models.cache as _cache_mod
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+
+from .attention import oiq_attention
+from .cache import OIQKVCache
+from .config import OIQConfig
+
+_ORIGINAL = getattr(_base.scaled_dot_product_attention, "__oiq_original__", _base.scaled_dot_product_attention)
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's ``scaled_dot_product_attention`` with OIQ caches routed to OIQ attention."""
+    if isinstance(cache, OIQKVCache):
+        return oiq_attention(queries, cache, scale=scale, mask=mask, sinks=sinks)
+    return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+scaled_dot_product_attention.__oiq_original__ = _ORIGINAL
+
+
+def install() -> int:
+    """Route mlx-lm attention and cache loading through oiq_mlx; returns the
+    number of modules patched by this call (0 when already installed)."""
+    _cache_mod.OIQKVCache = OIQKVCache
+    patched = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "mlx_lm.models.base" or name.startswith("mlx_lm.models.")):
+            continue
+        if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+            patched += 1
+    return patched
+
+
+def model_head_dim(model) -> int | None:
+    """Head dimension from the model's args (None when it cannot be told)."""
+    args = getattr(model, "args", None)
+    hd = getattr(args, "head_dim", None)
+    if hd:
+        return int(hd)
+    hidden, heads = getattr(args, "hidden_size", None), getattr(args, "num_attention_heads", None)
+    if hidden and heads:
+        return int(hidden) // int(heads)
+    return None
+
+
+def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = False) -> list:
+    """A prompt cache for ``model`` whose full-attention layers store OIQ.
+
+    Built from ``model.make_cache()`` (or mlx-lm's default) so every layer
+    keeps its kind: each plain ``KVCache`` becomes an :class:`OIQKVCache`;
+    sliding-window ``RotatingKVCache`` layers (Gemma 3 local layers), SSM and
+    other caches stay mlx-lm's own, in full precision, and are reported with a
+    warning (``verbose``: a line on stderr either way).  Accepted by
+    ``mlx_lm.generate``, ``stream_generate`` and ``generate_step`` as
+    ``prompt_cache=``.
+    """
+    config = config if config is not None else OIQConfig()
+    install()
+    head_dim = model_head_dim(model)
+    if head_dim is not None:
+        config.storage_dim(head_dim)
+    base = make_prompt_cache(model)
+    kept = {}
+    counter = iter(range(10**9))
+
+    def convert(c):
+        if type(c) is KVCache:
+            return OIQKVCache(config, layer_idx=next(counter), head_dim=head_dim)
+        if isinstance(c, CacheList):
+            c.caches = tuple(convert(x) for x in c.caches)
+            return c
+        next(counter)
+        kept[type(c).__name__] = kept.get(type(c).__name__, 0) + 1
+        return c
+
+    cache = [convert(c) for c in base]
+    n_oiq = sum(isinstance(c, OIQKVCache) for c in cache)
+    if kept:
+        desc = ", ".join(f"{n} x {name}" for name, n in kept.items())
+        msg = f"oiq_mlx: {n_oiq} layers use OIQKVCache; kept in full precision: {desc}"
+        warnings.warn(msg, stacklevel=2)
+    elif verbose:
+        print(f"oiq_mlx: {n_oiq} layers use OIQKVCache", file=sys.stderr)
+    if n_oiq == 0:
+        raise ValueError("this model has no full-attention KVCache layers for OIQ to replace")
+    return cache
