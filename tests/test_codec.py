@@ -1,0 +1,156 @@
+"""Reference codec: layout, error bounds, bad input, non-finite containment."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from oiq_mlx import codec
+from oiq_mlx.codec import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, bytes_per_token, dequantize, quantize
+
+COMBOS = [(b, g) for b in SUPPORTED_BITS for g in SUPPORTED_GROUP_SIZES]
+
+
+def _data(shape, seed=0, outliers=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    if outliers:
+        flat = x.reshape(-1)
+        idx = rng.choice(flat.size, size=max(1, flat.size // 100), replace=False)
+        flat[idx] *= 25.0
+    return mx.array(x)
+
+
+@pytest.mark.parametrize("bits,group", COMBOS)
+def test_layout_matches_mx_quantize(bits, group):
+    x = _data((3, 5, 256), seed=bits * group)
+    # our pack/unpack reproduces mx.quantize's words bit for bit
+    w, _, _ = mx.quantize(x, group_size=group, bits=bits)
+    assert mx.array_equal(codec.pack_codes(codec.unpack_codes(w, bits), bits), w)
+    # and mx.dequantize decodes our codes with the derived biases
+    codes, scales = quantize(x, bits, group)
+    assert codes.dtype == mx.uint32 and codes.shape == (3, 5, 256 * bits // 32)
+    assert scales.dtype == mx.float16 and scales.shape == (3, 5, 256 // group)
+    s32 = scales.astype(mx.float32)
+    theirs = mx.dequantize(codes, s32, codec.affine_biases(s32, bits), group_size=group, bits=bits)
+    ours = dequantize(codes, scales, bits, group)
+    # both are exact fp32 evaluations of s * c + b vs s * (c - h): a few ulp of the largest value
+    assert float(mx.abs(theirs - ours).max()) <= 1e-5 * float(mx.abs(ours).max())
+
+
+@pytest.mark.parametrize("bits,group", COMBOS)
+def test_error_bound(bits, group):
+    x = _data((64, 256), seed=bits + group)
+    codes, scales = quantize(x, bits, group)
+    err = mx.abs(dequantize(codes, scales, bits, group) - x).reshape(64, 256 // group, group)
+    half_step = scales.astype(mx.float32)[..., None] / 2
+    # mid-rise abs-max: every value within half a step of its level; the fp16
+    # rounding of the scale may push the outermost value out by <= 2^-11 relative
+    amax = mx.abs(x).reshape(64, 256 // group, group).max(axis=-1, keepdims=True)
+    assert bool(mx.all(err <= half_step + amax * 2.0**-10))
+    # all 2**bits codes are in use (mid-rise: no wasted code)
+    used = np.unique(np.array(codec.unpack_codes(codes, bits)))
+    assert used.min() == 0 and used.max() == 2**bits - 1
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_clip_search_lowers_mse(bits):
+    x = _data((256, 128), seed=5, outliers=False)
+    plain = mx.mean(mx.square(dequantize(*quantize(x, bits, 32), bits, 32) - x)).item()
+    clipped = mx.mean(mx.square(dequantize(*quantize(x, bits, 32, clip=True), bits, 32) - x)).item()
+    assert clipped < plain * (0.9 if bits <= 3 else 1.0)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_dtypes_and_leading_shapes(dtype):
+    x = _data((2, 3, 4, 64)).astype(dtype)
+    codes, scales = quantize(x, 4, 32)
+    assert codes.shape == (2, 3, 4, 8) and scales.shape == (2, 3, 4, 2)
+    ref_codes, ref_scales = quantize(x.astype(mx.float32), 4, 32)
+    assert mx.array_equal(codes, ref_codes) and mx.array_equal(scales, ref_scales)
+    y = dequantize(codes, scales, 4, 32, dtype=dtype)
+    assert y.dtype == dtype
+
+
+def test_strided_input():
+    x = _data((64, 128))
+    xt = x.T.T[:, ::1]
+    sl = mx.concatenate([x, x], axis=-1)[:, 128:]
+    for view in (xt, sl):
+        assert mx.array_equal(quantize(view, 3, 32)[0], quantize(x, 3, 32)[0])
+
+
+@pytest.mark.parametrize("bits", SUPPORTED_BITS)
+def test_zero_groups(bits):
+    x = mx.zeros((3, 64))
+    codes, scales = quantize(x, bits, 32)
+    assert not bool(mx.any(codes)) and not bool(mx.any(scales))
+    y = dequantize(codes, scales, bits, 32)
+    assert not bool(mx.any(mx.isnan(y))) and not bool(mx.any(y))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_contained(bad):
+    x = np.array(_data((4, 3, 128)))
+    x[1, 2, 40] = bad
+    codes, scales = quantize(mx.array(x), 4, 32)
+    clean_codes, clean_scales = quantize(mx.array(np.where(np.isfinite(x), x, 0)), 4, 32)
+    codes, scales, clean_codes, clean_scales = map(np.array, (codes, scales, clean_codes, clean_scales))
+    # the bad group decodes to NaN with zero codes ...
+    assert np.isnan(scales[1, 2, 1]) and (codes[1, 2, 4:8] == 0).all()
+    # ... and nothing else changes
+    mask = np.ones(scales.shape, bool)
+    mask[1, 2, 1] = False
+    assert (scales[mask] == clean_scales[mask]).all()
+    wmask = np.ones(codes.shape, bool)
+    wmask[1, 2, 4:8] = False
+    assert (codes[wmask] == clean_codes[wmask]).all()
+    y = np.array(dequantize(mx.array(codes), mx.array(scales), 4, 32))
+    assert np.isnan(y[1, 2, 32:64]).all()
+    y[1, 2, 32:64] = 0
+    assert np.isfinite(y).all()
+
+
+def test_huge_values_saturate_scale():
+    x = mx.full((1, 32), 1e6)
+    codes, scales = quantize(x, 2, 32)
+    assert float(scales[0, 0]) == 65504.0
+    assert np.isfinite(np.array(dequantize(codes, scales, 2, 32))).all()
+
+
+def test_bytes_per_token():
+    assert bytes_per_token(128, 4, 32) == 72
+    assert bytes_per_token(128, 3, 32) == 56
+    assert bytes_per_token(128, 2, 32) == 40
+    assert bytes_per_token(64, 4, 32) == 36
+    assert bytes_per_token(128, 8, 128) == 130
+    codes, scales = quantize(mx.zeros((10, 128)), 3, 32)
+    assert codes.nbytes + scales.nbytes == 10 * bytes_per_token(128, 3, 32)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bits=7), "bits=7 is not supported"),
+        (dict(bits=1), "bits=1 is not supported"),
+        (dict(bits=4.0), "bits=4.0 is not supported"),
+        (dict(group_size=48), "group_size=48 is not supported"),
+        (dict(group_size=16), "group_size=16 is not supported"),
+    ],
+)
+def test_bad_parameters(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize(mx.zeros((2, 128)), **kwargs)
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="not divisible by group_size=64"):
+        quantize(mx.zeros((2, 96)), 4, 64)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
+        quantize(mx.zeros((2, 64), dtype=mx.int32), 4, 32)
+    with pytest.raises(ValueError, match="mx.array"):
+        quantize(np.zeros((2, 64), np.float32), 4, 32)
+    codes, scales = quantize(mx.zeros((2, 64)), 4, 32)
+    with pytest.raises(ValueError, match="scales shape"):
+        dequantize(codes, scales[:, :1], 4, 32)
+    with pytest.raises(ValueError, match="uint32"):
+        dequantize(codes.astype(mx.int32), scales, 4, 32)
