@@ -1,5 +1,7 @@
 """The CPU Metal emulator runs MLX-generated kernels faithfully and catches misuse."""
 
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -192,6 +194,52 @@ def test_scalar_inputs_and_shape_strides_ndim():
                        output_shapes=[(2, 3, 4), (4,)], output_dtypes=[mx.float32, mx.int32])
     np.testing.assert_array_equal(np.array(out), np.array(x) * 2.0 + 7 + 3000.0)
     assert np.array(meta).tolist() == [12, 4, 1, 3]
+
+
+# ---------------------------------------------------------------- MLX's own kernel code
+def _mlx_definitions(header, names):
+    """The top-level template functions called `names` in one of MLX's Metal headers."""
+    text = (metal_emu.emulator.MLX_INCLUDE / "mlx/backend/metal/kernels" / header).read_text()
+    out = []
+    for m in re.finditer(r"^template <[^\n]*>\n(?:inline|METAL_FUNC)[^\n(]*?\b(\w+)\(", text, re.M):
+        if m.group(1) not in names:
+            continue
+        i, depth = text.index("{", m.end()), 0
+        while True:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+            if depth == 0:
+                break
+        out.append(text[m.start():i])
+    assert len(out) >= len(names)
+    return "\n\n".join(out)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_mlx_qmv_fast_matches_quantized_matmul(bits):
+    # The whole quantized.h needs MLX's steel GEMM headers, so only the
+    # mat-vec path is pasted in, unmodified.
+    header = ("#define MLX_MTL_CONST static constant constexpr const\n"
+              "MLX_MTL_CONST int SIMD_SIZE = 32;\n") + _mlx_definitions(
+        "quantized.h", {"get_pack_factor", "get_bytes_per_pack", "load_vector", "qdot",
+                        "qmv_fast_impl"})
+    k = _kernel("emu_qmv", """
+        qmv_fast_impl<T, GS, BITS>(w, scales, biases, x, y, in_vec_size, out_vec_size,
+            threadgroup_position_in_grid, simdgroup_index_in_threadgroup,
+            thread_index_in_simdgroup);
+    """, ["w", "scales", "biases", "x", "in_vec_size", "out_vec_size"], ["y"], header=header)
+    rows, cols = 64, 512
+    wq, scales, biases = mx.quantize(mx.random.normal((rows, cols), key=mx.random.key(4)),
+                                     group_size=32, bits=bits)
+    x = mx.random.normal((cols,), key=mx.random.key(5))
+    (y,) = launch(k, inputs=[wq, scales, biases, x, cols, rows],
+                  template=[("T", mx.float32), ("GS", 32), ("BITS", bits)],
+                  grid=(32, 2 * rows // 8, 1), threadgroup=(32, 2, 1), output_shapes=[(rows,)],
+                  output_dtypes=[mx.float32])
+    ref = mx.quantized_matmul(x[None], wq, scales, biases, transpose=True, group_size=32,
+                              bits=bits)[0]
+    # Same fp32 products, different summation order: a few ulps of |y| ~ 20.
+    np.testing.assert_allclose(np.array(y), np.array(ref), rtol=0, atol=1e-4)
 
 
 # ---------------------------------------------------------------- misuse

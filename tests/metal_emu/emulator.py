@@ -231,7 +231,7 @@ def _compile(cpp, kernel_file, src):
         "\0".join([cpp, SHIM_HEADER.read_text(), " ".join(flags), CXX]).encode()).hexdigest()[:24]
     so = cache_dir() / f"{key}.so"
     if not so.exists():
-        cpp_path = cache_dir() / f"{key}.cpp"
+        cpp_path = cache_dir() / f"{key}.{os.getpid()}.cpp"  # kept for reading g++ errors
         cpp_path.write_text(cpp)
         tmp = so.with_suffix(f".{os.getpid()}.tmp")
         r = subprocess.run([CXX, *flags, str(cpp_path), "-o", str(tmp)],
@@ -239,6 +239,7 @@ def _compile(cpp, kernel_file, src):
         if r.returncode != 0:
             raise MetalEmuCompileError(_explain_compile_error(r.stderr, kernel_file, src))
         os.replace(tmp, so)
+        os.replace(cpp_path, cache_dir() / f"{key}.cpp")
     lib = _libs.get(key)
     if lib is None:
         lib = ctypes.CDLL(str(so))
