@@ -1,0 +1,160 @@
+// OIQ decode attention, pass 1: score + online softmax + value sum over one
+// slice of the cache, reading packed K/V (dequantized in registers) and the
+// full-precision sink/recent segments in one loop.
+//
+// Grid (32, P, B*H_kv*NQC), threadgroup (32, TG_PARTS, 1): one simdgroup per
+// (KV head, chunk of QB query rows, slice of keys).  Lane l owns values
+// [l*EK, (l+1)*EK) of every key and [l*EV, (l+1)*EV) of every value; each key
+// is read once for all QB query rows (the rep query heads sharing the KV head
+// times the L positions).  Positions [0, S) are sinks, [S, S+NQ) packed,
+// [S+NQ, S+NQ+NR) recent.
+// params: n_sink, n_quant, n_recent, n_kv, rep, L, keys_per_part, n_qchunks.
+// Outputs per (z, part, query row): part_o (DV floats), part_ml (max, sum).
+constexpr int EK = DK / 32;
+constexpr int EV = DV / 32;
+constexpr int WK = DK * KBITS / 32;
+constexpr int WV = DV * VBITS / 32;
+constexpr float KHALF = float((1 << KBITS) - 1) / 2.0f;
+constexpr float VHALF = float((1 << VBITS) - 1) / 2.0f;
+
+uint lane = thread_position_in_threadgroup.x;
+int part = int(thread_position_in_grid.y);
+int z = int(thread_position_in_grid.z);
+int n_parts = int(threads_per_grid.y);
+
+int n_sink = params[0];
+int n_quant = params[1];
+int n_recent = params[2];
+int n_kv = params[3];
+int rep = params[4];
+int L = params[5];
+int kpp = params[6];
+int nqc = params[7];
+int T = n_sink + n_quant + n_recent;
+int n_q = n_kv * rep;
+
+int qc = z % nqc;
+int bh = z / nqc;
+int b = bh / n_kv;
+int kvh = bh % n_kv;
+
+float qv[QB][EK];
+float qsum[QB];
+int qhead[QB];
+int qpos[QB];
+bool qvalid[QB];
+for (int i = 0; i < QB; i++) {
+  int qq = qc * QB + i;
+  qvalid[i] = qq < rep * L;
+  int qqc = qvalid[i] ? qq : 0;
+  qhead[i] = kvh * rep + qqc / L;
+  qpos[i] = qqc % L;
+  const device float* qr = q + (size_t(b * n_q + kvh * rep) * L + qqc) * DK + lane * EK;
+  qsum[i] = 0.0f;
+  for (int e = 0; e < EK; e++) {
+    qv[i][e] = qvalid[i] ? qr[e] : 0.0f;
+    qsum[i] += qv[i][e];
+  }
+}
+
+float m[QB];
+float lsum[QB];
+float o[QB][EV];
+for (int i = 0; i < QB; i++) {
+  m[i] = -INFINITY;
+  lsum[i] = 0.0f;
+  for (int e = 0; e < EV; e++) {
+    o[i][e] = 0.0f;
+  }
+}
+
+int t0 = part * kpp;
+int t1 = min(T, t0 + kpp);
+for (int t = t0; t < t1; t++) {
+  float partial[QB];
+  float vv[EV];
+  if (t < n_sink || t >= n_sink + n_quant) {
+    bool sink = t < n_sink;
+    int tr = sink ? t : t - n_sink - n_quant;
+    const device FT* kr = sink
+        ? sk + b * sk_strides[0] + kvh * sk_strides[1] + tr * sk_strides[2] + lane * EK
+        : rk + b * rk_strides[0] + kvh * rk_strides[1] + tr * rk_strides[2] + lane * EK;
+    const device FT* vr = sink
+        ? sv + b * sv_strides[0] + kvh * sv_strides[1] + tr * sv_strides[2] + lane * EV
+        : rv + b * rv_strides[0] + kvh * rv_strides[1] + tr * rv_strides[2] + lane * EV;
+    float kk[EK];
+    for (int e = 0; e < EK; e++) {
+      kk[e] = float(kr[e]);
+    }
+    for (int i = 0; i < QB; i++) {
+      float acc = 0.0f;
+      for (int e = 0; e < EK; e++) {
+        acc += qv[i][e] * kk[e];
+      }
+      partial[i] = acc;
+    }
+    for (int e = 0; e < EV; e++) {
+      vv[e] = float(vr[e]);
+    }
+  } else {
+    int tq = t - n_sink;
+    uint c[EK];
+    oiq_unpack<KBITS, EK>(kc + b * kc_strides[0] + kvh * kc_strides[1] + tq * kc_strides[2], lane, c);
+    float ks_ = float(ks[b * ks_strides[0] + kvh * ks_strides[1] + tq * ks_strides[2] + lane * EK / GROUP]);
+    float kf[EK];
+    for (int e = 0; e < EK; e++) {
+      kf[e] = float(c[e]);
+    }
+    // q . (s * (c - h)) = s * (q . c - h * sum(q)): one multiply per value.
+    for (int i = 0; i < QB; i++) {
+      float acc = 0.0f;
+      for (int e = 0; e < EK; e++) {
+        acc += qv[i][e] * kf[e];
+      }
+      partial[i] = ks_ * (acc - KHALF * qsum[i]);
+    }
+    uint cv[EV];
+    oiq_unpack<VBITS, EV>(vc + b * vc_strides[0] + kvh * vc_strides[1] + tq * vc_strides[2], lane, cv);
+    float vs_ = float(vs[b * vs_strides[0] + kvh * vs_strides[1] + tq * vs_strides[2] + lane * EV / GROUP]);
+    for (int e = 0; e < EV; e++) {
+      vv[e] = (float(cv[e]) - VHALF) * vs_;
+    }
+  }
+  for (int i = 0; i < QB; i++) {
+    float s = simd_sum(partial[i]);
+    if (MASK_MODE == 1) {
+      s = t <= T - L + qpos[i] ? s : -INFINITY;
+    } else if (MASK_MODE >= 2) {
+      MT mv = mask[b * mask_strides[0] + qhead[i] * mask_strides[1] + qpos[i] * mask_strides[2] +
+                   t * mask_strides[3]];
+      if (MASK_MODE == 2) {
+        s = float(mv) != 0.0f ? s : -INFINITY;
+      } else {
+        s += float(mv);
+      }
+    }
+    // s is uniform across the simdgroup, so this branch is too.  NaN scores
+    // (a NaN group in the cache) are let through so that they show.
+    if (s != -INFINITY) {
+      float m_new = max(m[i], s);
+      float f = exp(m[i] - m_new);
+      float p = exp(s - m_new);
+      lsum[i] = lsum[i] * f + p;
+      for (int e = 0; e < EV; e++) {
+        o[i][e] = o[i][e] * f + p * vv[e];
+      }
+      m[i] = m_new;
+    }
+  }
+}
+
+for (int i = 0; i < QB; i++) {
+  size_t slot = (size_t(z) * n_parts + part) * QB + i;
+  for (int e = 0; e < EV; e++) {
+    part_o[slot * DV + lane * EV + e] = o[i][e];
+  }
+  if (lane == 0) {
+    part_ml[slot * 2] = m[i];
+    part_ml[slot * 2 + 1] = lsum[i];
+  }
+}

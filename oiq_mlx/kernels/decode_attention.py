@@ -1,0 +1,134 @@
+"""Scores, online softmax and value sums over packed and full-precision KV segments, split over the
+sequence and merged by log-sum-exp with the output un-rotation fused into the merge (two kernels)."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from . import _launch
+from ._source import build_kernel
+
+MAX_QUERY_ROWS = 8  # query rows (rep * L) sharing one read of the cache per simdgroup
+KEYS_PER_PART_MIN = 32
+TARGET_SIMDGROUPS = 1024  # enough slices to fill an M-series GPU at small batch
+PARTS_PER_THREADGROUP = 4
+ROWS_PER_THREADGROUP = 4
+_MASK_NONE, _MASK_CAUSAL, _MASK_BOOL, _MASK_ADD = 0, 1, 2, 3
+
+
+def _attention_kernel():
+    return build_kernel(
+        "oiq_decode_attention", "decode_attention.metal",
+        ("q", "sk", "sv", "kc", "ks", "vc", "vs", "rk", "rv", "mask", "params"),
+        ("part_o", "part_ml"), row_contiguous=False,
+    )
+
+
+def _merge_kernel():
+    return build_kernel(
+        "oiq_decode_merge", "decode_merge.metal",
+        ("part_o", "part_ml", "sinks", "mean", "signs", "rot_scale", "params"), ("out",),
+    )
+
+
+def keys_per_part(total: int, n_programs: int) -> int:
+    """Keys per slice: enough slices for ~TARGET_SIMDGROUPS simdgroups, at least 32 keys each."""
+    parts = max(1, min(math.ceil(total / KEYS_PER_PART_MIN), TARGET_SIMDGROUPS // max(1, n_programs)))
+    return math.ceil(total / parts)
+
+
+def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_size: int,
+                     mask=None, sinks: mx.array | None = None, v_mean: mx.array | None = None,
+                     v_signs: mx.array | None = None, keys_per_part_: int | None = None) -> mx.array:
+    """Attention of few rotated queries over an OIQ cache's segments; equals
+    ``attention._decode_reference`` (then ``+ v_mean`` and ``rotation.unrotate(., v_signs)`` when
+    those are given), within float32 rounding.
+
+    Args:
+        q: ``(B, n_q, L, dk)`` float32, rotated and already multiplied by the softmax scale.
+        segments: ``cache.segments()``: ``(sink_k, sink_v, quant, recent_k, recent_v)``, any
+            full-precision part None when empty, ``quant`` None or
+            ``(k_codes, k_scales, v_codes, v_scales)``; slices along the token axis are fine
+            (read through strides), the last axis must be contiguous.
+        mask: None, ``"causal"`` or an array broadcastable to ``(B, n_q, L, T)`` (bool, or
+            additive).
+        sinks: ``(n_q,)`` attention-sink logits, or None.
+        v_mean: ``(B, n_kv, 1, dv)`` rotated value mean to add, or None.
+        v_signs: ``(dv,)`` value rotation signs: un-rotate the output (else stay rotated).
+        keys_per_part_: slice length override (tests).
+
+    Returns:
+        ``(B, n_q, L, dv)`` float32.
+    """
+    sink_k, sink_v, quant, recent_k, recent_v = segments
+    B, n_q, L, dk = q.shape
+    ref = next(x for x in (sink_v, recent_v, quant and quant[2]) if x is not None)
+    n_kv = ref.shape[1]
+    rep = n_q // n_kv
+    n_sink = sink_k.shape[2] if sink_k is not None else 0
+    n_recent = recent_k.shape[2] if recent_k is not None else 0
+    if quant is not None:
+        kc, ks, vc, vs = quant
+        n_quant = kc.shape[2]
+        dv = vc.shape[-1] * 32 // v_bits
+    else:
+        n_quant = 0
+        dv = ref.shape[-1]
+        kc = mx.zeros((1, 1, 1, dk * k_bits // 32), mx.uint32)
+        vc = mx.zeros((1, 1, 1, dv * v_bits // 32), mx.uint32)
+        ks = mx.zeros((1, 1, 1, dk // group_size), mx.float16)
+        vs = mx.zeros((1, 1, 1, dv // group_size), mx.float16)
+    fp_dtype = (sink_k if sink_k is not None else recent_k).dtype if (n_sink or n_recent) else mx.float32
+    if sink_k is None:
+        sink_k, sink_v = mx.zeros((1, 1, 1, dk), fp_dtype), mx.zeros((1, 1, 1, dv), fp_dtype)
+    if recent_k is None:
+        recent_k, recent_v = mx.zeros((1, 1, 1, dk), fp_dtype), mx.zeros((1, 1, 1, dv), fp_dtype)
+    T = n_sink + n_quant + n_recent
+
+    if mask is None or (isinstance(mask, str) and L == 1):
+        mode, mask_arr = _MASK_NONE, mx.zeros((1, 1, 1, 1), mx.bool_)
+    elif isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported mask {mask!r}")
+        mode, mask_arr = _MASK_CAUSAL, mx.zeros((1, 1, 1, 1), mx.bool_)
+    else:
+        mode = _MASK_BOOL if mask.dtype == mx.bool_ else _MASK_ADD
+        mask_arr = mx.broadcast_to(mask, (B, n_q, L, T))
+
+    rows = rep * L
+    qb = min(rows, MAX_QUERY_ROWS)
+    nqc = math.ceil(rows / qb)
+    kpp = keys_per_part_ or keys_per_part(T, B * n_kv * nqc)
+    n_parts = math.ceil(T / kpp)
+    params = mx.array([n_sink, n_quant, n_recent, n_kv, rep, L, kpp, nqc], mx.int32)
+    part_o, part_ml = _launch.launch(
+        _attention_kernel(),
+        inputs=[mx.contiguous(q.astype(mx.float32)), sink_k, sink_v, kc, ks, vc, vs, recent_k, recent_v,
+                mask_arr, params],
+        template=[("FT", fp_dtype), ("MT", mask_arr.dtype), ("DK", dk), ("DV", dv), ("KBITS", k_bits),
+                  ("VBITS", v_bits), ("GROUP", group_size), ("QB", qb), ("MASK_MODE", mode)],
+        grid=(32, n_parts, B * n_kv * nqc),
+        threadgroup=(32, min(PARTS_PER_THREADGROUP, n_parts), 1),
+        output_shapes=[(B * n_kv * nqc, n_parts, qb, dv), (B * n_kv * nqc, n_parts, qb, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+
+    has_sinks, has_mean, unrotate = sinks is not None, v_mean is not None, v_signs is not None
+    n_rows = B * n_q * L
+    (out,) = _launch.launch(
+        _merge_kernel(),
+        inputs=[part_o, part_ml,
+                sinks.astype(mx.float32) if has_sinks else mx.zeros((1,), mx.float32),
+                v_mean.astype(mx.float32) if has_mean else mx.zeros((1,), mx.float32),
+                v_signs.astype(mx.float32) if unrotate else mx.zeros((1,), mx.float32),
+                1.0 / math.sqrt(dv), mx.array([n_kv, rep, L, n_parts, nqc], mx.int32)],
+        template=[("DV", dv), ("QB", qb), ("HAS_SINKS", has_sinks), ("HAS_MEAN", has_mean),
+                  ("UNROTATE", unrotate)],
+        grid=(32, n_rows, 1),
+        threadgroup=(32, min(ROWS_PER_THREADGROUP, n_rows), 1),
+        output_shapes=[(B, n_q, L, dv)],
+        output_dtypes=[mx.float32],
+    )
+    return out
