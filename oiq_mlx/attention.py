@@ -23,7 +23,6 @@ import mlx.core as mx
 
 from . import dispatch
 from .codec import affine_biases, dequantize
-from .rotation import rotate, unrotate
 
 DECODE_MAX_QUERIES = 8
 
@@ -57,7 +56,7 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         raise ValueError(f"{n_q} query heads cannot share {n_kv} KV heads")
     if sinks is not None and v.mean is not None:
         raise ValueError("attention sinks cannot be combined with center_values=True")
-    q = rotate(_pad_last(queries.astype(mx.float32) * scale, k.dim), k.signs)
+    q = k.rotate(_pad_last(queries.astype(mx.float32) * scale, k.dim))
     fused = dispatch.decode_attention_kernel(cache, q, mask, sinks)
     if fused is not None:
         out = fused
@@ -67,7 +66,7 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         out = _prefill_reference(q, cache, mask, sinks, queries.dtype)
     if v.mean is not None:
         out = out + mx.repeat(v.mean, n_q // n_kv, axis=1)
-    out = unrotate(out.astype(mx.float32), v.signs)[..., : v.head_dim]
+    out = v.unrotate(out)[..., : v.head_dim]
     return out.astype(queries.dtype)
 
 

@@ -23,7 +23,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .codec import bytes_per_token, dequantize, quantize
 from .config import OIQConfig
-from .rotation import random_signs, rotate
+from .rotation import random_signs, rotate, unrotate
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -57,16 +57,23 @@ class _Side:
         self.bits, self.group_size, self.clip, self.center = bits, group_size, clip, center
         self.head_dim = self.dim = None
         self.signs = self.mean = None
+        self.rotated = True
         self.codes = self.scales = None
         self.sink = None
         self.recent = None
 
-    def init(self, x: mx.array, signs: mx.array, dim: int):
-        self.head_dim, self.dim, self.signs = x.shape[-1], dim, signs
+    def init(self, x: mx.array, signs: mx.array, dim: int, rotated: bool):
+        self.head_dim, self.dim, self.signs, self.rotated = x.shape[-1], dim, signs, rotated
+
+    def rotate(self, x: mx.array) -> mx.array:
+        return rotate(x, self.signs) if self.rotated else x.astype(mx.float32)
+
+    def unrotate(self, y: mx.array) -> mx.array:
+        return unrotate(y, self.signs) if self.rotated else y.astype(mx.float32)
 
     def to_storage(self, x: mx.array, first: bool) -> mx.array:
         """Pad, rotate (fp32) and center new vectors ``(B, H, L, d)``."""
-        y = rotate(_pad_last(x, self.dim).astype(mx.float32), self.signs)
+        y = self.rotate(_pad_last(x, self.dim).astype(mx.float32))
         if self.center:
             if first:
                 self.mean = mx.mean(y, axis=2, keepdims=True)
@@ -112,7 +119,11 @@ class OIQKVCache(_BaseCache):
         self.dtype = keys.dtype
         for which, (side, x) in enumerate(((self.k, keys), (self.v, values))):
             dim = cfg.storage_dim(x.shape[-1])
-            side.init(x, random_signs(layer_seed(cfg.seed, self.layer_idx, which), dim), dim)
+            if cfg.rotation == "hadamard":
+                signs = random_signs(layer_seed(cfg.seed, self.layer_idx, which), dim)
+            else:
+                signs = mx.ones((dim,), mx.float32)
+            side.init(x, signs, dim, cfg.rotation != "none")
 
     def _check(self, keys, values):
         for name, x in (("keys", keys), ("values", values)):
@@ -219,8 +230,6 @@ class OIQKVCache(_BaseCache):
     def dequantized_kv(self):
         """All keys and values as the attention sees them, un-rotated, float32,
         ``(B, H, offset, d)``.  For evaluation and tests, not for decoding."""
-        from .rotation import unrotate
-
         sink_k, sink_v, quant, recent_k, recent_v = self.segments()
         out = []
         for side, parts in ((self.k, (sink_k, quant and quant[:2], recent_k)), (self.v, (sink_v, quant and quant[2:], recent_v))):
@@ -234,7 +243,7 @@ class OIQKVCache(_BaseCache):
             y = mx.concatenate(chunks, axis=2)
             if side.mean is not None:
                 y = y + side.mean
-            out.append(unrotate(y, side.signs)[..., : side.head_dim])
+            out.append(side.unrotate(y)[..., : side.head_dim])
         return tuple(out)
 
     # -- mlx-lm contract -----------------------------------------------------
@@ -319,5 +328,6 @@ class OIQKVCache(_BaseCache):
             codes, scales, sink, recent, signs, mean = v[6 * i : 6 * i + 6]
             side.codes, side.scales, side.sink, side.recent, side.signs, side.mean = codes, scales, sink, recent, signs, mean
             side.head_dim, side.dim = meta["head_dims"][i], meta["dims"][i]
+            side.rotated = self.config.rotation != "none"
             if side.codes is not None and side.codes.shape[2] == 0:
                 side.codes = side.scales = None

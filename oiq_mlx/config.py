@@ -11,6 +11,9 @@ from .codec import check_bits, check_group_size
 from .rotation import hadamard_block_size
 
 
+ROTATIONS = ("hadamard", "hadamard_nosigns", "none")
+
+
 def _check_int(name: str, value, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -39,6 +42,9 @@ class OIQConfig:
             prompt) before quantizing.  Exact for attention: a key shift changes
             every score of a query by the same amount, a value shift is added
             back to the output.
+        rotation: ``"hadamard"`` (OIQ), ``"hadamard_nosigns"`` (the
+            transform without random signs) or ``"none"`` (plain abs-max
+            group quantization); the last two exist as evaluation baselines.
         trim_reserve: full-precision copies of this many tokens beyond the
             window are kept so that ``trim`` (speculative decoding) restores
             the exact never-generated state.
@@ -55,6 +61,7 @@ class OIQConfig:
     center_keys: bool = True
     center_values: bool = False
     trim_reserve: int = 16
+    rotation: str = "hadamard"
 
     def __post_init__(self):
         check_bits(self.k_bits, "k_bits")
@@ -62,6 +69,8 @@ class OIQConfig:
         check_group_size(self.group_size)
         for name in ("seed", "sink_tokens", "window", "quantize_after", "trim_reserve"):
             _check_int(name, getattr(self, name))
+        if self.rotation not in ROTATIONS:
+            raise ValueError(f"rotation={self.rotation!r} is not one of {ROTATIONS}")
         for name in ("clip", "center_keys", "center_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -76,7 +85,8 @@ class OIQConfig:
         """
         _check_int("head_dim", head_dim, 1)
         dim = -(-head_dim // self.group_size) * self.group_size
-        hadamard_block_size(dim)
+        if self.rotation != "none":
+            hadamard_block_size(dim)
         return dim
 
     def bytes_per_token(self, head_dim: int) -> float:
