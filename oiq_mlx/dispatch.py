@@ -1,10 +1,16 @@
 """The one place that decides between the fused Metal kernels and the
 reference (plain MLX) path.
 
-Kernels are used when Metal is available, the default stream is on the GPU,
+Kernels are used when Metal is available, the default device is the GPU,
 the shape is one the kernels serve, and ``OIQ_MLX_FORCE_REFERENCE`` is not
 set to ``1``.  Everything else (Linux/CPU, CUDA, unsupported shapes) runs the
-reference path, which gives the same results up to float rounding.
+reference path, which gives the same results (codes and scales bit-exact,
+attention within float32 rounding).
+
+Kernels serve head (storage) dimensions 32, 64, 128 and 256; other sizes
+(80, 96, 112, 160, 192, ... whose rotation is not a plain power-of-two
+Walsh-Hadamard transform) always take the reference path, as does
+``clip=True`` quantization.
 """
 
 from __future__ import annotations
@@ -13,6 +19,11 @@ import os
 
 import mlx.core as mx
 
+from . import codec, rotation
+from .kernels._source import SUPPORTED_DIMS
+
+DECODE_MAX_QUERIES = 8
+
 
 def kernels_enabled() -> bool:
     if os.environ.get("OIQ_MLX_FORCE_REFERENCE", "0") == "1":
@@ -20,9 +31,134 @@ def kernels_enabled() -> bool:
     return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
-def decode_attention_kernel(cache, q_rotated, mask, sinks):
-    """Fused decode attention over ``cache`` when a kernel serves this call,
-    else None (the caller runs the reference path)."""
-    if not kernels_enabled():
+def _codec_shape_ok(dim: int, bits: int, group_size: int) -> bool:
+    return (
+        dim in SUPPORTED_DIMS
+        and bits in codec.SUPPORTED_BITS
+        and group_size in codec.SUPPORTED_GROUP_SIZES
+        and dim % group_size == 0
+    )
+
+
+def _signs_ok(signs, dim: int) -> bool:
+    return signs is None or (isinstance(signs, mx.array) and signs.shape == (dim,))
+
+
+# -- quantize -------------------------------------------------------------------
+
+
+def quantize_kernel(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool = False):
+    """Fused (rotate +) quantize of ``x`` when a kernel serves it, else None.
+
+    Equals ``codec.quantize(rotate(x, signs) if signs is not None else x, bits, group_size)``.
+    """
+    if not kernels_enabled() or clip or not isinstance(x, mx.array) or x.ndim < 1 or x.size == 0:
         return None
-    return None
+    if not mx.issubdtype(x.dtype, mx.floating) or not _codec_shape_ok(x.shape[-1], bits, group_size):
+        return None
+    if not _signs_ok(signs, x.shape[-1]):
+        return None
+    from .kernels.quantize import quantize
+
+    return quantize(x, bits=bits, group_size=group_size, signs=signs)
+
+
+def quantize(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool = False):
+    """``codec.quantize(rotate(x, signs) if signs is not None else x, bits, group_size, clip=clip)``,
+    by the fused kernel when one serves the call.  Returns ``(codes, scales)``."""
+    out = quantize_kernel(x, bits, group_size, signs=signs, clip=clip)
+    if out is not None:
+        return out
+    return codec.quantize(rotation.rotate(x, signs) if signs is not None else x, bits, group_size, clip=clip)
+
+
+# -- dequantize -----------------------------------------------------------------
+
+
+def dequantize_kernel(codes: mx.array, scales: mx.array, bits: int, group_size: int, *,
+                      dtype=mx.float32, signs=None):
+    """Fused dequantize (+ un-rotate) when a kernel serves it, else None.
+
+    Equals ``codec.dequantize(codes, scales, bits, group_size, dtype=dtype)``, or
+    ``unrotate(codec.dequantize(codes, scales, bits, group_size), signs).astype(dtype)``.
+    """
+    if not kernels_enabled() or not isinstance(codes, mx.array) or codes.dtype != mx.uint32:
+        return None
+    if codes.ndim < 1 or codes.size == 0 or bits not in codec.SUPPORTED_BITS:
+        return None
+    dim = codes.shape[-1] * 32 // bits
+    if codes.shape[-1] * 32 % bits or not _codec_shape_ok(dim, bits, group_size) or not _signs_ok(signs, dim):
+        return None
+    if scales.shape != (*codes.shape[:-1], dim // group_size):
+        return None
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32):
+        return None
+    from .kernels.dequantize import dequantize
+
+    return dequantize(codes, scales, bits=bits, group_size=group_size, dtype=dtype, signs=signs)
+
+
+def dequantize(codes: mx.array, scales: mx.array, bits: int, group_size: int, *, dtype=mx.float32, signs=None):
+    """``codec.dequantize`` (then ``unrotate(., signs)`` when ``signs`` is given), by the fused
+    kernel when one serves the call.  Returns ``(..., d)`` in ``dtype``."""
+    out = dequantize_kernel(codes, scales, bits, group_size, dtype=dtype, signs=signs)
+    if out is not None:
+        return out
+    y = codec.dequantize(codes, scales, bits, group_size, dtype=mx.float32 if signs is not None else dtype)
+    return rotation.unrotate(y, signs).astype(dtype) if signs is not None else y
+
+
+# -- decode attention -----------------------------------------------------------
+
+
+def _mask_ok(mask, shape) -> bool:
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return True
+    if not isinstance(mask, mx.array):
+        return False
+    try:
+        mx.broadcast_shapes(mask.shape, shape)
+    except ValueError:
+        return False
+    return mask.ndim <= 4
+
+
+def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate: bool = False):
+    """Fused decode attention over ``cache`` when a kernel serves this call, else None
+    (the caller runs the reference path).
+
+    Args:
+        cache: an OIQKVCache holding at least one token.
+        q_rotated: ``(B, n_q, L, k_dim)`` float32 queries, rotated with the key signs and
+            multiplied by the softmax scale; L <= 8.
+        mask, sinks: as for ``attention.oiq_attention``.
+        unrotate: False: return the rotated (centered) output, what
+            ``attention._decode_reference`` returns.  True: return the final output, value
+            mean added and un-rotated (``unrotate(ref + mean, v.signs)``), still
+            ``v.dim`` wide (slice to ``v.head_dim``).
+
+    Returns:
+        ``(B, n_q, L, v.dim)`` float32, or None.
+    """
+    if not kernels_enabled() or not isinstance(q_rotated, mx.array) or q_rotated.ndim != 4:
+        return None
+    k, v, cfg = cache.k, cache.v, cache.config
+    B, n_q, L, dq = q_rotated.shape
+    if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.dim:
+        return None
+    if not (_codec_shape_ok(k.dim, k.bits, cfg.group_size) and _codec_shape_ok(v.dim, v.bits, cfg.group_size)):
+        return None
+    n_kv = k.sink.shape[1]
+    if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, cache.offset)):
+        return None
+    if isinstance(mask, str) and L > 1 and cache.offset < L:
+        return None
+    if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
+        return None
+    from .kernels.decode_attention import decode_attention
+
+    return decode_attention(
+        q_rotated, segments=cache.segments(), k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
+        mask=mask, sinks=sinks,
+        v_mean=v.mean if unrotate else None, v_signs=v.signs if unrotate else None,
+    )

@@ -36,14 +36,13 @@ def quantize(x: mx.array, *, bits: int, group_size: int, signs: mx.array | None 
         signs = mx.ones((d,), mx.float32)
     if n == 0:
         return mx.zeros((*lead, d * bits // 32), mx.uint32), mx.zeros((*lead, d // group_size), mx.float16)
-    rows = min(ROWS_PER_THREADGROUP, n)
     codes, scales = _launch.launch(
         _kernel(),
         inputs=[x.reshape(n, d), signs.astype(mx.float32), 1.0 / math.sqrt(d)],
         template=[("T", x.dtype), ("D", d), ("BITS", bits), ("GROUP", group_size), ("ROTATE", rotate),
-                  ("ROWS", rows)],
+                  ("ROWS", ROWS_PER_THREADGROUP)],
         grid=(32, n, 1),
-        threadgroup=(32, rows, 1),
+        threadgroup=(32, min(ROWS_PER_THREADGROUP, n), 1),
         output_shapes=[(n, d * bits // 32), (n, d // group_size)],
         output_dtypes=[mx.uint32, mx.float16],
     )
