@@ -11,7 +11,7 @@ from . import _launch
 from ._source import build_kernel
 
 MAX_QUERY_ROWS = 8  # query rows (rep * L) sharing one read of the cache per simdgroup
-KEYS_PER_PART_MIN = 32
+KEYS_PER_PART_MIN = 64
 TARGET_SIMDGROUPS = 1024  # enough slices to fill an M-series GPU at small batch
 PARTS_PER_THREADGROUP = 4
 ROWS_PER_THREADGROUP = 4
@@ -34,7 +34,7 @@ def _merge_kernel():
 
 
 def keys_per_part(total: int, n_programs: int) -> int:
-    """Keys per slice: enough slices for ~TARGET_SIMDGROUPS simdgroups, at least 32 keys each."""
+    """Keys per slice: enough slices for ~TARGET_SIMDGROUPS simdgroups, at least KEYS_PER_PART_MIN keys each."""
     parts = max(1, min(math.ceil(total / KEYS_PER_PART_MIN), TARGET_SIMDGROUPS // max(1, n_programs)))
     return math.ceil(total / parts)
 
