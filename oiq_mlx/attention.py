@@ -119,6 +119,9 @@ def _decode_reference(q: mx.array, cache, mask, sinks) -> mx.array:
             scores = scores + m.astype(mx.float32)
     if sinks is not None:
         sink_logits = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, n_kv, rep, 1, 1), (B, n_kv, rep, L, 1))
+        if k.mean is not None:
+            # centered keys shift every score by -q.mean; the sink logit must follow
+            sink_logits = sink_logits - mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1, keepdims=True)
         scores = mx.concatenate([sink_logits, scores], axis=-1)
         p = mx.softmax(scores, axis=-1, precise=True)[..., 1:]
     else:
@@ -157,6 +160,9 @@ def _prefill_reference(q: mx.array, cache, mask, sinks, dtype) -> mx.array:
         ks_.append(recent_k), vs_.append(recent_v)
     keys = mx.concatenate(ks_, axis=2) if len(ks_) > 1 else ks_[0]
     values = mx.concatenate(vs_, axis=2) if len(vs_) > 1 else vs_[0]
+    if sinks is not None and k.mean is not None:
+        # the sink logit is not shifted like the scores of centered keys: undo the centering
+        keys = (keys + k.mean).astype(cache.dtype)
     compute = cache.dtype
     return mx.fast.scaled_dot_product_attention(
         q.astype(compute), keys, values, scale=1.0, mask=mask, sinks=sinks

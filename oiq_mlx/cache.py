@@ -81,7 +81,7 @@ class _Side:
         return y
 
     def nbytes(self) -> int:
-        arrays = (self.codes, self.scales, self.sink, self.recent, self.mean)
+        arrays = (self.codes, self.scales, self.sink, self.recent, self.mean, self.signs)
         return sum(a.nbytes for a in arrays if a is not None)
 
 

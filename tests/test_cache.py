@@ -1,0 +1,314 @@
+"""OIQKVCache: attention correctness, storage, mlx-lm contract (tiny random models)."""
+
+import warnings
+
+import mlx.core as mx
+import pytest
+from helpers import reference_attention, tiny_gemma3, tiny_llama
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from oiq_mlx import attention, integration
+from oiq_mlx.attention import oiq_attention
+from oiq_mlx.cache import OIQKVCache
+from oiq_mlx.codec import bytes_per_token
+from oiq_mlx.config import OIQConfig
+from oiq_mlx.integration import make_oiq_cache
+
+
+def _feed(cache, chunks, B, n_kv, d, n_q, seed=0, dv=None):
+    """Append chunks of random K/V; yield (q, all_k, all_v, out) after each."""
+    dv = dv or d
+    ks, vs = [], []
+    key = mx.random.key(seed)
+    for i, L in enumerate(chunks):
+        k1, k2, k3, key = mx.random.split(key, 4)
+        k = mx.random.normal((B, n_kv, L, d), key=k1)
+        v = mx.random.normal((B, n_kv, L, dv), key=k2)
+        q = mx.random.normal((B, n_q, L, d), key=k3)
+        ks.append(k), vs.append(v)
+        cache.update_and_fetch(k, v)
+        out = oiq_attention(q, cache, d**-0.5, "causal" if L > 1 else None)
+        yield q, mx.concatenate(ks, 2), mx.concatenate(vs, 2), out
+
+
+CONFIGS = [
+    OIQConfig(k_bits=8, v_bits=8),
+    OIQConfig(k_bits=4, v_bits=3, sink_tokens=0, window=0, center_keys=False),
+    OIQConfig(k_bits=2, v_bits=5, sink_tokens=7, window=5, center_values=True, clip=True, trim_reserve=3),
+    OIQConfig(k_bits=6, v_bits=4, group_size=64, quantize_after=40, window=3),
+]
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"k{c.k_bits}v{c.v_bits}s{c.sink_tokens}w{c.window}")
+@pytest.mark.parametrize("shape", [(1, 2, 6, 64), (2, 1, 3, 128), (1, 3, 3, 80)], ids=lambda s: f"B{s[0]}kv{s[1]}q{s[2]}d{s[3]}")
+def test_attention_over_stored_kv(cfg, shape):
+    """Attention equals fp32 attention over exactly what the cache stores,
+    across the growth boundary (256) and the sink/window/quantize_after edges."""
+    B, n_kv, n_q, d = shape
+    cache = OIQKVCache(cfg)
+    chunks = [3, 1, 2, 40, 1, 1, 260, 1, 8, 1]
+    for q, k, v, out in _feed(cache, chunks, B, n_kv, d, n_q):
+        kd, vd = cache.dequantized_kv()
+        assert kd.shape == k.shape and vd.shape == v.shape
+        ref = reference_attention(q, kd, vd, d**-0.5)
+        # fp32 throughout; the rotation round trip adds ~1e-6
+        assert float(mx.abs(out - ref).max()) < 2e-4
+        # and the stored K/V are close to the inputs, by a margin set by the bits
+        tol = {8: 0.05, 6: 0.2, 5: 0.4, 4: 0.8, 3: 1.6, 2: 3.5}
+        assert float(mx.abs(kd - k).max()) < tol[cfg.k_bits]
+        assert float(mx.abs(vd - v).max()) < tol[cfg.v_bits]
+    assert cache.offset == sum(chunks)
+    assert cache.k.codes.shape[2] == 512  # grew past 256 in place, in steps
+
+
+def test_full_precision_segments_are_exact():
+    """Sinks and the recent window hold keys/values without loss."""
+    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=8)
+    cache = OIQKVCache(cfg)
+    for q, k, v, out in _feed(cache, [20, 1, 1], 1, 2, 4, 64):
+        kd, vd = cache.dequantized_kv()
+        for a, b in ((kd, k), (vd, v)):
+            assert float(mx.abs(a[:, :, :4] - b[:, :, :4]).max()) < 1e-5
+            assert float(mx.abs(a[:, :, -8:] - b[:, :, -8:]).max()) < 1e-5
+            assert float(mx.abs(a[:, :, 4:-8] - b[:, :, 4:-8]).max()) > 0.05
+
+
+@pytest.mark.parametrize("center", ["keys", "values", "both"])
+def test_centering_is_exact(center):
+    """Mean removal leaves attention unchanged (fp32, nothing quantized)."""
+    base = dict(quantize_after=10**6, sink_tokens=0, window=0)
+    plain = OIQKVCache(OIQConfig(center_keys=False, **base))
+    centered = OIQKVCache(
+        OIQConfig(center_keys=center in ("keys", "both"), center_values=center in ("values", "both"), **base)
+    )
+    for (q, k, v, o1), (_, _, _, o2) in zip(
+        _feed(plain, [33, 1, 5], 1, 2, 6, 64), _feed(centered, [33, 1, 5], 1, 2, 6, 64)
+    ):
+        assert float(mx.abs(o1 - o2).max()) < 1e-5
+    assert centered.k.mean is not None or centered.v.mean is not None
+
+
+def test_centering_helps_offset_keys():
+    """Keys with a large common offset (Qwen-like k_proj bias) quantize far
+    better once the mean is removed."""
+    key = mx.random.key(3)
+    k = mx.random.normal((1, 2, 300, 64), key=key)
+    k = k + mx.where(mx.arange(64) % 9 == 0, 40.0, 0.0)
+    errs = {}
+    for center in (False, True):
+        c = OIQKVCache(OIQConfig(center_keys=center, sink_tokens=0, window=0))
+        c.update_and_fetch(k, k)
+        errs[center] = float(mx.mean(mx.square(c.dequantized_kv()[0] - k)))
+    assert errs[True] < 0.1 * errs[False]
+
+
+def test_decode_and_prefill_paths_agree():
+    cfg = OIQConfig(k_bits=4, v_bits=4)
+    cache = OIQKVCache(cfg)
+    k = mx.random.normal((1, 2, 100, 64))
+    cache.update_and_fetch(k, k)
+    for L in (1, 4, 8):
+        q = mx.random.normal((1, 6, L, 64))
+        dec = attention._decode_reference(q, cache, "causal", None)
+        pre = attention._prefill_reference(q, cache, "causal", None, mx.float32)
+        assert float(mx.abs(dec - pre).max()) < 1e-4
+
+
+def test_nbytes_matches_allocation_and_compression():
+    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=0, window=0, trim_reserve=0, center_keys=False)
+    cache = OIQKVCache(cfg)
+    fp = KVCache()
+    B, H, d, N = 1, 3, 64, 1024
+    for L in (500, 524):
+        k = mx.random.normal((B, H, L, d)).astype(mx.float16)
+        cache.update_and_fetch(k, k)
+        fp.update_and_fetch(k, k)
+    per_token = 2 * bytes_per_token(d, 4, 32)
+    assert per_token == 72
+    cap = cache.k.codes.shape[2]
+    recent = cache.k.recent.shape[2]
+    signs = 2 * d * 4  # one float32 sign vector for keys, one for values
+    expected = B * H * (cap * per_token + 2 * recent * d * 2) + signs
+    assert cache.nbytes == expected == cache.quantized_nbytes_formula() + 2 * B * H * recent * d * 2 + signs
+    assert cache.nbytes == sum(a.nbytes for a in cache.state[:-1] if a is not None) + (
+        (cap - N) * per_token + 2 * (recent - (cache.offset - cache.recent_start)) * d * 2
+    ) * B * H
+    assert fp.nbytes / cache.nbytes >= 3.4, fp.nbytes / cache.nbytes
+    # defaults (sinks, window, mean) cost little at long contexts
+    default = OIQKVCache(OIQConfig())
+    for _ in range(4):
+        k = mx.random.normal((B, H, 2048, d)).astype(mx.float16)
+        default.update_and_fetch(k, k)
+    assert (8192 * B * H * 2 * d * 2) / default.nbytes >= 3.4
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(k_bits=7), "k_bits=7 is not supported"),
+        (dict(v_bits=1), "v_bits=1 is not supported"),
+        (dict(group_size=48), "group_size=48 is not supported"),
+        (dict(window=-1), "window must be >= 0"),
+        (dict(sink_tokens=1.5), "sink_tokens must be an integer"),
+        (dict(rotation="random"), "rotation='random'"),
+        (dict(clip="yes"), "clip must be True or False"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OIQConfig(**kwargs)
+
+
+def test_head_dims_are_padded_or_rejected():
+    cfg = OIQConfig()
+    assert cfg.storage_dim(64) == 64 and cfg.storage_dim(80) == 96 and cfg.storage_dim(36) == 64
+    assert OIQConfig(group_size=128).storage_dim(80) == 128
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+        OIQKVCache(cfg, head_dim=0)
+    model = tiny_llama(head_dim=64)
+    model.args.head_dim = -3
+    with pytest.raises(ValueError, match="head_dim"):
+        make_oiq_cache(model, cfg)
+
+
+def test_bad_updates():
+    cache = OIQKVCache()
+    with pytest.raises(ValueError, match="floating point"):
+        cache.update_and_fetch(mx.zeros((1, 2, 3, 64), mx.int32), mx.zeros((1, 2, 3, 64), mx.int32))
+    with pytest.raises(ValueError, match="shape"):
+        cache.update_and_fetch(mx.zeros((2, 3, 64)), mx.zeros((2, 3, 64)))
+    cache.update_and_fetch(mx.zeros((1, 2, 3, 64)), mx.zeros((1, 2, 3, 64)))
+    with pytest.raises(ValueError, match="this cache holds"):
+        cache.update_and_fetch(mx.zeros((1, 4, 1, 64)), mx.zeros((1, 4, 1, 64)))
+    assert cache.offset == 3
+
+
+def _logits(model, tokens, cache):
+    return model(mx.array(tokens)[None], cache=cache)
+
+
+def test_generation_matches_full_precision_at_8_bits():
+    model = tiny_llama()
+    prompt = list(range(5, 45))
+    fp = make_prompt_cache(model)
+    oiq = make_oiq_cache(model, OIQConfig(k_bits=8, v_bits=8))
+    assert all(isinstance(c, OIQKVCache) for c in oiq)
+    a = _logits(model, prompt, fp)
+    b = _logits(model, prompt, oiq)
+    assert float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(a).max())
+    cfg = OIQConfig(k_bits=8, v_bits=8)
+    toks_fp = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, prompt_cache=make_prompt_cache(model))]
+    toks_oiq = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, prompt_cache=make_oiq_cache(model, cfg))]
+    assert toks_fp == toks_oiq
+
+
+def test_save_load_round_trip(tmp_path):
+    model = tiny_llama()
+    cfg = OIQConfig(k_bits=3, v_bits=5, window=8, sink_tokens=2, center_values=True)
+    cache = make_oiq_cache(model, cfg)
+    _logits(model, list(range(70)), cache)
+    for t in (3, 4, 5):
+        _logits(model, [t], cache)
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, cache, {"note": "x"})
+    loaded, meta = load_prompt_cache(path, return_metadata=True)
+    assert meta["note"] == "x"
+    for a, b in zip(cache, loaded):
+        assert type(b) is OIQKVCache and b.offset == a.offset and b.config == a.config
+        sa, sb = a.state, b.state
+        assert sa[-1] == sb[-1]
+        for x, y in zip(sa[:-1], sb[:-1]):
+            assert (x is None and y is None) or (x.dtype == y.dtype and mx.array_equal(x, y))
+    # both continue identically
+    assert mx.array_equal(_logits(model, [9, 8], cache), _logits(model, [9, 8], loaded))
+
+
+@pytest.mark.parametrize("cfg", [OIQConfig(window=6, trim_reserve=8, sink_tokens=2), OIQConfig(window=0, sink_tokens=0, k_bits=3), OIQConfig(quantize_after=60, window=4)])
+def test_trim_then_continue_equals_never_generated(cfg):
+    model = tiny_llama()
+    prompt = list(range(1, 58))
+    a = make_oiq_cache(model, cfg)
+    b = make_oiq_cache(model, cfg)
+    _logits(model, prompt, a)
+    _logits(model, prompt, b)
+    for t in (7, 8, 9, 10, 11):  # speculative tokens, later rejected
+        _logits(model, [t], a)
+    assert all(c.trim(5) == 5 for c in a)
+    la = _logits(model, [20, 21, 22], a)
+    lb = _logits(model, [20, 21, 22], b)
+    assert mx.allclose(la, lb, atol=1e-5)
+    for ca, cb in zip(a, b):
+        assert ca.offset == cb.offset and ca.q_end == cb.q_end
+        ka, _ = ca.dequantized_kv()
+        kb, _ = cb.dequantized_kv()
+        assert mx.allclose(ka, kb, atol=1e-6)
+
+
+def test_speculative_decoding_with_draft():
+    from mlx_lm.generate import speculative_generate_step
+
+    model = tiny_llama(seed=0)
+    draft = tiny_llama(seed=1, layers=1)
+    prompt = mx.array(list(range(3, 40)))
+    cfg = OIQConfig(k_bits=8, v_bits=8, window=4)
+    cache = make_oiq_cache(model, cfg) + make_oiq_cache(draft, cfg)
+    spec = [int(t) for t, _, _ in speculative_generate_step(prompt, model, draft, num_draft_tokens=3, max_tokens=16, prompt_cache=cache)]
+    plain = [int(t) for t, _ in generate_step(prompt, model, max_tokens=16, prompt_cache=make_oiq_cache(model, cfg))]
+    assert len(spec) == 16
+    # greedy speculative decoding reproduces greedy decoding of the main model
+    assert spec == plain
+
+
+def test_sliding_window_layers_keep_rotating_cache():
+    model = tiny_gemma3(layers=3, sliding_window=16)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        cache = make_oiq_cache(model, OIQConfig(k_bits=8, v_bits=8))
+    assert [type(c) for c in cache] == [RotatingKVCache, RotatingKVCache, OIQKVCache]
+    assert any("2 x RotatingKVCache" in str(x.message) for x in w)
+    prompt = mx.array(list(range(2, 42)))  # longer than the window
+    fp = [int(t) for t, _ in generate_step(prompt, model, max_tokens=10, prompt_cache=make_prompt_cache(model))]
+    oq = [int(t) for t, _ in generate_step(prompt, model, max_tokens=10, prompt_cache=cache)]
+    assert fp == oq
+
+
+def test_routing_is_idempotent_and_leaves_other_caches_alone():
+    model = tiny_llama()
+    make_oiq_cache(model)
+    assert integration.install() == 0
+    import mlx_lm.models.base as base
+    import mlx_lm.models.llama as llama_mod
+
+    assert base.scaled_dot_product_attention is integration.scaled_dot_product_attention
+    assert llama_mod.scaled_dot_product_attention is integration.scaled_dot_product_attention
+    q = mx.random.normal((1, 4, 3, 64))
+    k = mx.random.normal((1, 2, 3, 64))
+    kv = KVCache()
+    ref = integration._ORIGINAL(q, k, k, cache=kv, scale=0.125, mask="causal")
+    assert mx.array_equal(base.scaled_dot_product_attention(q, k, k, kv, 0.125, "causal"), ref)
+
+
+def test_state_of_empty_cache_round_trips():
+    c = OIQKVCache(OIQConfig(k_bits=2))
+    c2 = OIQKVCache.from_state(c.state)
+    assert c2.empty() and c2.config == c.config and c2.offset == 0
+
+
+@pytest.mark.parametrize("L", [1, 12])
+@pytest.mark.parametrize("center_keys", [False, True])
+def test_attention_sinks_argument(L, center_keys):
+    """Learned per-head sink logits (GPT-OSS style) in both paths, with and
+    without key centering (which must not shift scores against the sink)."""
+    cache = OIQKVCache(OIQConfig(k_bits=8, v_bits=8, window=0, sink_tokens=0, center_keys=center_keys))
+    k = mx.random.normal((1, 1, 20, 64)) + 3.0
+    cache.update_and_fetch(k, k)
+    q = mx.random.normal((1, 2, L, 64))
+    sinks = mx.array([0.5, -1.0])
+    out = oiq_attention(q, cache, 0.125, "causal", sinks=sinks)
+    kd, vd = cache.dequantized_kv()
+    s = (q * 0.125) @ mx.repeat(kd, 2, 1).swapaxes(-1, -2)
+    s = mx.where(mx.arange(20 - L, 20)[:, None] >= mx.arange(20)[None], s, -mx.inf)
+    full = mx.concatenate([mx.broadcast_to(sinks.reshape(1, 2, 1, 1), (1, 2, L, 1)), s], axis=-1)
+    p = mx.softmax(full, axis=-1)[..., 1:]
+    assert float(mx.abs(out - p @ mx.repeat(vd, 2, 1)).max()) < 1e-4
