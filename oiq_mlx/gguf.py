@@ -26,10 +26,11 @@ SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
 # GGUF tensor types mx.load understands (it fails on the whole file otherwise).
 _MX_LOADABLE_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
+_FLOAT_TYPES = {"F32", "F16", "BF16"}
 
-# GGUF token types (llama.cpp llama_token_type).
-_TOKEN_NORMAL, _TOKEN_UNKNOWN, _TOKEN_CONTROL = 1, 2, 3
-_TOKEN_USER_DEFINED, _TOKEN_UNUSED, _TOKEN_BYTE = 4, 5, 6
+# GGUF token types (llama.cpp llama_token_type) the tokenizer treats specially;
+# the others are unknown (2), unused (5) and byte-fallback <0xNN> (6).
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 
 _GROUP_SIZE = 32  # the GGUF legacy quants mx.load reads are all group-32
 
@@ -183,7 +184,7 @@ def _spm_merges(tokens, scores, token_types):
     return [(m[4], m[5]) for m in merges]
 
 
-def build_tokenizer(meta: dict, *, architecture: str | None = None):
+def build_tokenizer(meta: dict):
     """Rebuild the tokenizer of a GGUF from its metadata.
 
     Returns an ``mlx_lm.tokenizer_utils.TokenizerWrapper`` around a
@@ -191,7 +192,7 @@ def build_tokenizer(meta: dict, *, architecture: str | None = None):
     ``tokenizers`` library: byte-level BPE for ``tokenizer.ggml.model == "gpt2"``,
     byte-fallback BPE with merges derived from scores for ``"llama"`` (SPM).
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
+    from tokenizers import AddedToken, Tokenizer, decoders, models
     from tokenizers import normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -286,9 +287,6 @@ def build_tokenizer(meta: dict, *, architecture: str | None = None):
         pad_token=pad,
         chat_template=meta.get("tokenizer.chat_template"),
         clean_up_tokenization_spaces=False,
-        model_max_length=int(
-            meta.get(f"{architecture}.context_length", 1 << 30) if architecture else 1 << 30
-        ),
     )
     return TokenizerWrapper(hf, detokenizer_class=detokenizer_class)
 
@@ -444,7 +442,8 @@ def load_gguf(path, *, dequantize: bool | None = None):
         path: a ``.gguf`` file (llama or gemma3 architecture).
         dequantize: ``True`` -> dense fp32 weights; ``False`` -> mlx
             ``QuantizedLinear``/``QuantizedEmbedding`` (group 32; GGUF legacy
-            quants kept as is, K-quant files re-quantized to 8 bits);
+            quants kept as is, other quantized types such as K-quants
+            dequantized and re-quantized to 8 bits, float tensors kept float);
             ``None`` -> ``False`` when Metal is available, else ``True``
             (quantized matmuls are ~10x slower on the CPU backend).
 
@@ -498,7 +497,8 @@ def load_gguf(path, *, dequantize: bool | None = None):
                 weights[f"{name}.scales"] = scales
                 weights[f"{name}.biases"] = biases
                 quant[name] = {"group_size": _GROUP_SIZE, "bits": int(bits)}
-        elif not dequantize and w.ndim == 2 and base not in ("output_norm",):
+        elif not dequantize and tensor_types[f"{base}.weight"] not in _FLOAT_TYPES:
+            # K-quants (read via numpy) have no mlx layout; 8 bits adds little error.
             w, s, b = mx.quantize(w.astype(mx.float32), group_size=_GROUP_SIZE, bits=8)
             weights[f"{name}.scales"], weights[f"{name}.biases"] = s, b
             quant[name] = {"group_size": _GROUP_SIZE, "bits": 8}
@@ -522,7 +522,7 @@ def load_gguf(path, *, dequantize: bool | None = None):
     mx.eval(model.parameters())
     model.eval()
 
-    tokenizer = build_tokenizer(meta, architecture=arch)
+    tokenizer = build_tokenizer(meta)
     return model, tokenizer
 
 

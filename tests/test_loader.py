@@ -52,7 +52,7 @@ def gemma3_path():
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer(smollm2_path):
-    return build_tokenizer(GGUFFile(smollm2_path).metadata, architecture="llama")
+    return build_tokenizer(GGUFFile(smollm2_path).metadata)
 
 
 @pytest.fixture(scope="module")
