@@ -224,8 +224,10 @@ def build_tokenizer(meta: dict):
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-        if meta.get("tokenizer.ggml.pre") in ("smollm", "llama-bpe", "llama3"):
-            # llama.cpp splits digits individually first for these.
+        # The GPT-2 split regex; llama.cpp's "smollm" pre-tokenizer first splits
+        # digits individually. Other "pre" types (llama3, qwen2, ...) use their
+        # own regexes, not rebuilt here: their token boundaries may differ.
+        if meta.get("tokenizer.ggml.pre") == "smollm":
             pre.insert(0, pre_tokenizers.Digits(individual_digits=True))
         backend.pre_tokenizer = pre_tokenizers.Sequence(pre)
         backend.decoder = decoders.ByteLevel()
