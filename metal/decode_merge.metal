@@ -27,7 +27,7 @@ float mx_ = -INFINITY;
 for (int p = 0; p < n_parts; p++) {
   mx_ = max(mx_, part_ml[((size_t(z) * n_parts + p) * QB + i) * 2]);
 }
-float sink = HAS_SINKS ? sinks[h] : -INFINITY;
+float sink = HAS_SINKS ? sinks[g] : -INFINITY;  // sinks: (B, H_q, L) logits
 mx_ = max(mx_, sink);
 float lsum = 0.0f;
 float acc[EV];

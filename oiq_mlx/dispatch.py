@@ -134,7 +134,7 @@ def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate
         mask, sinks: as for ``attention.oiq_attention``.
         unrotate: False: return the rotated (centered) output, what
             ``attention._decode_reference`` returns.  True: return the final output, value
-            mean added and un-rotated (``unrotate(ref + mean, v.signs)``), still
+            mean added and un-rotated (``v.unrotate(ref + mean)``), still
             ``v.dim`` wide (slice to ``v.head_dim``).
 
     Returns:
@@ -157,8 +157,13 @@ def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate
         return None
     from .kernels.decode_attention import decode_attention
 
+    if sinks is not None and k.mean is not None:
+        # centered keys shift every score by -q.mean; the sink logit must follow
+        qg = q_rotated.reshape(B, n_kv, n_q // n_kv, L, dq)
+        shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
+        sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
     return decode_attention(
         q_rotated, segments=cache.segments(), k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
         mask=mask, sinks=sinks,
-        v_mean=v.mean if unrotate else None, v_signs=v.signs if unrotate else None,
+        v_mean=v.mean if unrotate else None, v_signs=v.signs if unrotate and v.rotated else None,
     )

@@ -235,8 +235,9 @@ def truth_attention(q, cache, mask, sinks):
     rep = n_q // K.shape[1]
     K, V = np.repeat(K, rep, axis=1), np.repeat(V, rep, axis=1)
     s = np.einsum("bhld,bhtd->bhlt", np.array(q).astype(np.float64), K) + _full_mask(mask, B, n_q, L, K.shape[2])
-    if sinks is not None:
-        sl = np.broadcast_to(np.array(sinks).astype(np.float64)[None, :, None, None], (B, n_q, L, 1))
+    if sinks is not None:  # (n_q,) or per query row (B, n_q, L)
+        sl = np.array(sinks).astype(np.float64)
+        sl = np.broadcast_to(sl[None, :, None, None] if sl.ndim == 1 else sl[..., None], (B, n_q, L, 1))
         s = np.concatenate([sl, s], axis=-1)
     p = np.exp(s - s.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)
@@ -310,10 +311,26 @@ def test_decode_attention_array_masks(metal_emulator, kind):
 
 
 def test_decode_attention_sinks(metal_emulator):
-    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
+    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_keys=False)
     cache = _filled_cache(cfg, n_kv=2, d=128, T=150, dtype=mx.float16)
     sinks = mx.array([0.5, 3.0, -1.0, 8.0, 0.0, 2.0])
     _check_attention(cache, _rotated_queries(cache, 1, 6, 1, 128), sinks=sinks)
+
+
+def test_dispatch_sinks_with_centered_keys(kernels_on):
+    # Centered keys shift every score by -q.mean: the sink logit must be shifted too.
+    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_keys=True)
+    cache = _filled_cache(cfg, n_kv=2, d=128, T=150, L=2, dtype=mx.float16)
+    q = _rotated_queries(cache, 1, 6, 2, 128)
+    sinks = mx.array([0.5, 3.0, -1.0, 8.0, 0.0, 2.0])
+    out = dispatch.decode_attention_kernel(cache, q, "causal", sinks)
+    shifted = sinks.reshape(1, 6, 1) - mx.sum(
+        q.reshape(1, 2, 3, 2, 128) * mx.expand_dims(cache.k.mean, 2), axis=-1).reshape(1, 6, 2)
+    truth = truth_attention(q, cache, "causal", shifted)
+    ref = attention._decode_reference(q, cache, "causal", sinks)
+    ref_err = np.abs(np.array(ref) - truth).max()
+    assert ref_err < 1e-5  # the reference shifts the sink logit the same way
+    assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
 
 
 def test_decode_attention_nan_group_shows(metal_emulator):
@@ -394,15 +411,19 @@ def test_oiq_attention_through_kernels(kernels_on, monkeypatch, L, mask):
     assert mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item() <= 2e-3
 
 
-def test_dispatch_fused_unrotation_with_value_mean(kernels_on):
-    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_values=True)
+@pytest.mark.parametrize("rotation_kind", ["hadamard", "none"])
+def test_dispatch_fused_unrotation_with_value_mean(kernels_on, rotation_kind):
+    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_values=True,
+                    rotation=rotation_kind)
     cache = _filled_cache(cfg, n_kv=2, d=64, T=120, dtype=mx.float32)
     q = _rotated_queries(cache, 1, 4, 1, 64)
     out = dispatch.decode_attention_kernel(cache, q, None, None, unrotate=True)
     mean = mx.repeat(cache.v.mean, 2, axis=1)
-    want = rotation.unrotate(attention._decode_reference(q, cache, None, None) + mean, cache.v.signs)
-    # float32 throughout; the un-rotation adds ~log2(64) roundings.
-    assert mx.abs(out - want).max().item() <= 2e-6
+    ref = cache.v.unrotate(attention._decode_reference(q, cache, None, None) + mean)
+    m = np.array(rotation.rotation_matrix(cache.v.signs)).astype(np.float64) if cache.v.rotated else np.eye(64)
+    truth = (truth_attention(q, cache, None, None) + np.array(mean)) @ m.T
+    ref_err = np.abs(np.array(ref) - truth).max()
+    assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 1e-6
 
 
 def test_dispatch_declines_unsupported_attention(kernels_on):

@@ -39,6 +39,13 @@ def keys_per_part(total: int, n_programs: int) -> int:
     return math.ceil(total / parts)
 
 
+def _sink_rows(sinks: mx.array, B: int, n_q: int, L: int) -> mx.array:
+    s = sinks.astype(mx.float32)
+    if s.ndim == 1:
+        s = s.reshape(1, n_q, 1)
+    return mx.contiguous(mx.broadcast_to(s, (B, n_q, L)))
+
+
 def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_size: int,
                      mask=None, sinks: mx.array | None = None, v_mean: mx.array | None = None,
                      v_signs: mx.array | None = None, keys_per_part_: int | None = None) -> mx.array:
@@ -54,7 +61,7 @@ def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_s
             (read through strides), the last axis must be contiguous.
         mask: None, ``"causal"`` or an array broadcastable to ``(B, n_q, L, T)`` (bool, or
             additive).
-        sinks: ``(n_q,)`` attention-sink logits, or None.
+        sinks: attention-sink logits ``(n_q,)`` or per query row ``(B, n_q, L)``, or None.
         v_mean: ``(B, n_kv, 1, dv)`` rotated value mean to add, or None.
         v_signs: ``(dv,)`` value rotation signs: un-rotate the output (else stay rotated).
         keys_per_part_: slice length override (tests).
@@ -120,7 +127,7 @@ def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_s
     (out,) = _launch.launch(
         _merge_kernel(),
         inputs=[part_o, part_ml,
-                sinks.astype(mx.float32) if has_sinks else mx.zeros((1,), mx.float32),
+                _sink_rows(sinks, B, n_q, L) if has_sinks else mx.zeros((1,), mx.float32),
                 v_mean.astype(mx.float32) if has_mean else mx.zeros((1,), mx.float32),
                 v_signs.astype(mx.float32) if unrotate else mx.zeros((1,), mx.float32),
                 1.0 / math.sqrt(dv), mx.array([n_kv, rep, L, n_parts, nqc], mx.int32)],
