@@ -19,10 +19,24 @@ from .codec import (  # noqa: E402
     unpack_codes,
 )
 from .rotation import hadamard_block_size, is_rotatable, random_signs, rotate, rotation_matrix, unrotate  # noqa: E402
+from .config import OIQConfig  # noqa: E402
+from .cache import OIQKVCache  # noqa: E402
+from .attention import oiq_attention  # noqa: E402
+from .integration import install, make_oiq_cache  # noqa: E402
+from .models import default_text, demo_model_path, gemma3_model_path, load  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "OIQConfig",
+    "OIQKVCache",
+    "default_text",
+    "demo_model_path",
+    "gemma3_model_path",
+    "install",
+    "load",
+    "make_oiq_cache",
+    "oiq_attention",
     "SUPPORTED_BITS",
     "SUPPORTED_GROUP_SIZES",
     "bytes_per_token",

@@ -102,3 +102,32 @@ def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = Fa
     if n_oiq == 0:
         raise ValueError("this model has no full-attention KVCache layers for OIQ to replace")
     return cache
+
+
+def _fp16_equivalent(c) -> int:
+    if isinstance(c, OIQKVCache):
+        if c.empty():
+            return 0
+        b, h = c.batch_heads
+        return c.offset * b * h * (c.k.head_dim + c.v.head_dim) * 2
+    if isinstance(c, CacheList):
+        return sum(_fp16_equivalent(x) for x in c.caches)
+    keys = getattr(c, "keys", None)
+    if keys is None or not hasattr(keys, "dtype") or not hasattr(c, "values"):
+        return c.nbytes
+    return c.nbytes * 2 // keys.dtype.size
+
+
+def kv_memory(cache: list) -> dict:
+    """``{"held": bytes the cache holds, "fp16": what float16 K/V of the same
+    tokens would hold}`` summed over layers (allocated capacity included in
+    ``held``; full-precision layers counted at float16 in ``fp16``)."""
+    return {
+        "held": sum(c.nbytes for c in cache),
+        "fp16": sum(_fp16_equivalent(c) for c in cache),
+    }
+
+
+def cache_tokens(cache: list) -> int:
+    """Tokens held by the longest layer of ``cache``."""
+    return max((c.offset for c in cache if hasattr(c, "offset")), default=0)
