@@ -22,7 +22,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import dispatch
-from .codec import affine_biases, dequantize
+from .codec import affine_biases
 
 DECODE_MAX_QUERIES = 8
 
@@ -57,10 +57,10 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
     if sinks is not None and v.mean is not None:
         raise ValueError("attention sinks cannot be combined with center_values=True")
     q = k.rotate(_pad_last(queries.astype(mx.float32) * scale, k.dim))
-    fused = dispatch.decode_attention_kernel(cache, q, mask, sinks)
+    fused = dispatch.decode_attention_kernel(cache, q, mask, sinks, unrotate=True)
     if fused is not None:
-        out = fused
-    elif L <= DECODE_MAX_QUERIES:
+        return fused[..., : v.head_dim].astype(queries.dtype)
+    if L <= DECODE_MAX_QUERIES:
         out = _decode_reference(q, cache, mask, sinks)
     else:
         out = _prefill_reference(q, cache, mask, sinks, queries.dtype)
@@ -154,8 +154,8 @@ def _prefill_reference(q: mx.array, cache, mask, sinks, dtype) -> mx.array:
         ks_.append(sink_k), vs_.append(sink_v)
     if quant is not None:
         kc, ksc, vc, vsc = quant
-        ks_.append(dequantize(kc, ksc, k.bits, gs, dtype=cache.dtype))
-        vs_.append(dequantize(vc, vsc, v.bits, gs, dtype=cache.dtype))
+        ks_.append(dispatch.dequantize(kc, ksc, k.bits, gs, dtype=cache.dtype))
+        vs_.append(dispatch.dequantize(vc, vsc, v.bits, gs, dtype=cache.dtype))
     if recent_k is not None:
         ks_.append(recent_k), vs_.append(recent_v)
     keys = mx.concatenate(ks_, axis=2) if len(ks_) > 1 else ks_[0]

@@ -21,7 +21,8 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from .codec import bytes_per_token, dequantize, quantize
+from . import dispatch
+from .codec import bytes_per_token, dequantize
 from .config import OIQConfig
 from .rotation import random_signs, rotate, unrotate
 
@@ -196,7 +197,7 @@ class OIQKVCache(_BaseCache):
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - cfg.sink_tokens, target - cfg.sink_tokens
         for side in (self.k, self.v):
-            codes, scales = quantize(side.recent[:, :, a:b], side.bits, cfg.group_size, clip=side.clip)
+            codes, scales = dispatch.quantize(side.recent[:, :, a:b], side.bits, cfg.group_size, clip=side.clip)
             side.codes = _grow(side.codes, qa, qb, self.step, codes.shape[-1:], mx.uint32, bh)
             side.scales = _grow(side.scales, qa, qb, self.step, scales.shape[-1:], mx.float16, bh)
             side.codes[:, :, qa:qb] = codes

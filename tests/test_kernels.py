@@ -402,6 +402,8 @@ def test_oiq_attention_through_kernels(kernels_on, monkeypatch, L, mask):
     """attention.oiq_attention with the kernel path equals its reference path."""
     cfg = OIQConfig(k_bits=4, v_bits=3, group_size=32, sink_tokens=4, window=16)
     cache = _filled_cache(cfg, n_kv=2, d=128, T=90, L=L, dtype=mx.float16)
+    assert kernels_on  # the cache quantized its rows through the quantize kernel
+    kernels_on.clear()
     queries = mx.random.normal((1, 6, L, 128), key=mx.random.key(3)).astype(mx.float16)
     out = attention.oiq_attention(queries, cache, 128 ** -0.5, mask=mask)
     assert len(kernels_on) == 2  # attention + merge
@@ -431,7 +433,9 @@ def test_dispatch_declines_unsupported_attention(kernels_on):
     cache = _filled_cache(cfg, n_kv=1, d=96, T=50)
     q = _rotated_queries(cache, 1, 1, 1, 96)
     assert dispatch.decode_attention_kernel(cache, q, None, None) is None
+    assert not kernels_on  # d = 96 is not a power of two: the quantize kernel declined too
     cache = _filled_cache(cfg, n_kv=1, d=64, T=50)
+    kernels_on.clear()
     q = _rotated_queries(cache, 1, 1, 9, 64)
     assert dispatch.decode_attention_kernel(cache, q, "causal", None) is None
     assert not kernels_on
