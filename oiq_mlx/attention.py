@@ -56,7 +56,10 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         raise ValueError(f"{n_q} query heads cannot share {n_kv} KV heads")
     if sinks is not None and v.mean is not None:
         raise ValueError("attention sinks cannot be combined with center_values=True")
-    q = k.rotate(_pad_last(queries.astype(mx.float32) * scale, k.dim))
+    q = _pad_last(queries.astype(mx.float32) * scale, k.dim)
+    if k.lam is not None:
+        q = (q.reshape(B, n_kv, n_q // n_kv, L, k.dim) * mx.expand_dims(k.lam, 2)).reshape(B, n_q, L, k.dim)
+    q = k.rotate(q)
     fused = dispatch.decode_attention_kernel(cache, q, mask, sinks, unrotate=True)
     if fused is not None:
         return fused[..., : v.head_dim].astype(queries.dtype)

@@ -54,10 +54,11 @@ def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, batch_heads
 class _Side:
     """Storage of one side (keys or values) of one layer."""
 
-    def __init__(self, bits: int, group_size: int, clip: bool, center: bool):
+    def __init__(self, bits: int, group_size: int, clip: bool, center: bool, scale_power: float = 0.0):
         self.bits, self.group_size, self.clip, self.center = bits, group_size, clip, center
+        self.scale_power = scale_power
         self.head_dim = self.dim = None
-        self.signs = self.mean = None
+        self.signs = self.mean = self.lam = None
         self.rotated = True
         self.codes = self.scales = None
         self.sink = None
@@ -73,16 +74,34 @@ class _Side:
         return unrotate(y, self.signs) if self.rotated else y.astype(mx.float32)
 
     def to_storage(self, x: mx.array, first: bool) -> mx.array:
-        """Pad, rotate (fp32) and center new vectors ``(B, H, L, d)``."""
-        y = self.rotate(_pad_last(x, self.dim).astype(mx.float32))
-        if self.center:
-            if first:
-                self.mean = mx.mean(y, axis=2, keepdims=True)
-            y = y - self.mean
-        return y
+        """Pad, center, scale per channel and rotate new vectors ``(B, H, L, d)`` (fp32).
+
+        On the first chunk the per-channel mean ``m`` and scale ``lam`` are
+        estimated; every vector is stored as ``r((x - m) / lam)`` and ``mean``
+        holds ``r(m / lam)`` in the same domain, so that a query scaled by
+        ``lam`` and rotated scores ``q . x`` up to the per-query constant
+        ``q . m`` (which softmax ignores).
+        """
+        x = _pad_last(x, self.dim).astype(mx.float32)
+        if first:
+            m = mx.mean(x, axis=2, keepdims=True) if self.center else None
+            if self.scale_power > 0:
+                centered = x if m is None else x - m
+                rms = mx.sqrt(mx.mean(mx.square(centered), axis=2, keepdims=True))
+                # only channels louder than the head's median are shrunk: quiet
+                # channels are never amplified, and magnitudes only decrease
+                median = mx.sort(rms, axis=-1)[..., self.dim // 2 : self.dim // 2 + 1] + 1e-6
+                self.lam = mx.power(mx.maximum(rms, median) / median, self.scale_power)
+            if m is not None:
+                self.mean = self.rotate(m if self.lam is None else m / self.lam)
+        if self.mean is not None:
+            x = x - (self.unrotate(self.mean) if self.lam is None else self.unrotate(self.mean) * self.lam)
+        if self.lam is not None:
+            x = x / self.lam
+        return self.rotate(x)
 
     def nbytes(self) -> int:
-        arrays = (self.codes, self.scales, self.sink, self.recent, self.mean, self.signs)
+        arrays = (self.codes, self.scales, self.sink, self.recent, self.mean, self.signs, self.lam)
         return sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -110,7 +129,7 @@ class OIQKVCache(_BaseCache):
         self.recent_start = self.config.sink_tokens
         self.dtype = None
         cfg = self.config
-        self.k = _Side(cfg.k_bits, cfg.group_size, cfg.clip, cfg.center_keys)
+        self.k = _Side(cfg.k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
         self.v = _Side(cfg.v_bits, cfg.group_size, cfg.clip, cfg.center_values)
 
     # -- writing -----------------------------------------------------------
@@ -244,7 +263,10 @@ class OIQKVCache(_BaseCache):
             y = mx.concatenate(chunks, axis=2)
             if side.mean is not None:
                 y = y + side.mean
-            out.append(side.unrotate(y)[..., : side.head_dim])
+            y = side.unrotate(y)
+            if side.lam is not None:
+                y = y * side.lam
+            out.append(y[..., : side.head_dim])
         return tuple(out)
 
     # -- mlx-lm contract -----------------------------------------------------
@@ -306,6 +328,7 @@ class OIQKVCache(_BaseCache):
                 None if side.recent is None else side.recent[:, :, keep],
                 side.signs,
                 side.mean,
+                side.lam,
             ]
         meta = {
             "config": self.config.to_json(),
@@ -326,8 +349,9 @@ class OIQKVCache(_BaseCache):
         self.offset, self.q_end, self.recent_start = meta["offset"], meta["q_end"], meta["recent_start"]
         self.dtype = None if meta["dtype"] is None else _DTYPES[meta["dtype"]]
         for i, side in enumerate((self.k, self.v)):
-            codes, scales, sink, recent, signs, mean = v[6 * i : 6 * i + 6]
-            side.codes, side.scales, side.sink, side.recent, side.signs, side.mean = codes, scales, sink, recent, signs, mean
+            codes, scales, sink, recent, signs, mean, lam = v[7 * i : 7 * i + 7]
+            side.codes, side.scales, side.sink, side.recent = codes, scales, sink, recent
+            side.signs, side.mean, side.lam = signs, mean, lam
             side.head_dim, side.dim = meta["head_dims"][i], meta["dims"][i]
             side.rotated = self.config.rotation != "none"
             if side.codes is not None and side.codes.shape[2] == 0:

@@ -45,6 +45,12 @@ class OIQConfig:
         rotation: ``"hadamard"`` (OIQ), ``"hadamard_nosigns"`` (the
             transform without random signs) or ``"none"`` (plain abs-max
             group quantization); the last two exist as evaluation baselines.
+        key_scaling: exponent ``a`` of an exact per-channel key scaling: key
+            channels louder than the head's median channel (RMS ``r_c``
+            against median ``r_med``, estimated with the mean) are divided by
+            ``lam_c = (r_c / r_med) ** a`` and the query is multiplied by it,
+            which leaves every score unchanged while shrinking outlier
+            channels before the rotation.  0 disables it.
         trim_reserve: full-precision copies of this many tokens beyond the
             window are kept so that ``trim`` (speculative decoding) restores
             the exact never-generated state.
@@ -62,6 +68,7 @@ class OIQConfig:
     center_values: bool = False
     trim_reserve: int = 16
     rotation: str = "hadamard"
+    key_scaling: float = 0.0
 
     def __post_init__(self):
         check_bits(self.k_bits, "k_bits")
@@ -69,6 +76,8 @@ class OIQConfig:
         check_group_size(self.group_size)
         for name in ("seed", "sink_tokens", "window", "quantize_after", "trim_reserve"):
             _check_int(name, getattr(self, name))
+        if isinstance(self.key_scaling, bool) or not isinstance(self.key_scaling, (int, float)) or not 0 <= self.key_scaling <= 1:
+            raise ValueError(f"key_scaling must be a number in [0, 1], got {self.key_scaling!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation={self.rotation!r} is not one of {ROTATIONS}")
         for name in ("clip", "center_keys", "center_values"):

@@ -34,6 +34,7 @@ def _feed(cache, chunks, B, n_kv, d, n_q, seed=0, dv=None):
 
 CONFIGS = [
     OIQConfig(k_bits=8, v_bits=8),
+    OIQConfig(k_bits=5, v_bits=3, key_scaling=0.5),
     OIQConfig(k_bits=4, v_bits=3, sink_tokens=0, window=0, center_keys=False),
     OIQConfig(k_bits=2, v_bits=5, sink_tokens=7, window=5, center_values=True, clip=True, trim_reserve=3),
     OIQConfig(k_bits=6, v_bits=4, group_size=64, quantize_after=40, window=3),
@@ -87,6 +88,21 @@ def test_centering_is_exact(center):
     ):
         assert float(mx.abs(o1 - o2).max()) < 1e-5
     assert centered.k.mean is not None or centered.v.mean is not None
+
+
+def test_key_scaling_helps_outlier_channels():
+    """A few channels 20x larger than the rest (after centering) are shrunk
+    before the rotation: lower key error, scores unchanged (exactness above)."""
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(4))
+    k = k * mx.where(mx.arange(64) % 16 == 3, 20.0, 1.0)
+    errs = {}
+    for power in (0.0, 0.5):
+        c = OIQKVCache(OIQConfig(k_bits=3, key_scaling=power, sink_tokens=0, window=0))
+        c.update_and_fetch(k, k)
+        kd = c.dequantized_kv()[0]
+        q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(5))
+        errs[power] = float(mx.mean(mx.square((q * (kd - k)).sum(-1))))
+    assert errs[0.5] < 0.5 * errs[0.0], errs
 
 
 def test_centering_helps_offset_keys():
@@ -153,6 +169,7 @@ def test_nbytes_matches_allocation_and_compression():
         (dict(sink_tokens=1.5), "sink_tokens must be an integer"),
         (dict(rotation="random"), "rotation='random'"),
         (dict(clip="yes"), "clip must be True or False"),
+        (dict(key_scaling=2.0), "key_scaling must be a number in"),
     ],
 )
 def test_bad_config(kwargs, match):
