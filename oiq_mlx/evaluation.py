@@ -1,0 +1,898 @@
+"""Quality evaluation of KV caches on a real model.
+
+Four measurements, each against mlx-lm's plain ``KVCache`` at the model's dtype
+(the "fp" reference; on the CPU backend the GGUF loader gives fp32, DESIGN 7):
+
+* :func:`perplexity_eval`: a prompt of ``prompt_len`` tokens is prefilled
+  through the cache under test, then continuation chunks are scored through
+  the same cache, so every scored token attends to keys/values that went
+  through it.  Per cache: perplexity, KL(fp || cache) of next-token
+  distributions at the same positions, top-1 agreement.
+* :func:`needle_eval`: a passkey sentence hidden at a depth of an Austen
+  filler of a given token length; greedy decoding with ``generate_step``
+  through the cache must reproduce the passkey exactly.
+* :func:`attention_fidelity`: the fp queries/keys/values of one prompt are
+  captured per layer, written into each cache, and the cache's attention
+  output (what the model would see) is compared with fp attention (cosine),
+  together with the relative K/V reconstruction error.
+* :func:`key_outlier_stats`: kurtosis, max/median channel magnitude and Gini
+  of channel energies of the keys before and after the rotation.
+
+:func:`run_evaluation` runs them all for a list of :class:`CacheSpec` and
+returns one JSON-serialisable dict; :func:`markdown_table` and
+:func:`save_plots` render it.  ``scripts/eval_quality.py`` is the front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import random
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from .attention import oiq_attention
+from .cache import OIQKVCache, layer_seed
+from .config import OIQConfig
+from .integration import install, make_oiq_cache, model_head_dim
+from .rotation import random_signs, rotate
+
+FP16_BYTES = 2
+
+
+# ---------------------------------------------------------------- caches under test
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """One cache under test.
+
+    ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` at the model dtype), ``"mlx"``
+    (mlx-lm ``QuantizedKVCache(group_size, bits)``, affine, used from token 0
+    as ``generate_step``'s ``quantized_kv_start=0`` does) or ``"oiq"``
+    (:class:`OIQKVCache` with ``oiq``).
+    """
+
+    name: str
+    kind: str
+    bits: int = 16
+    group_size: int = 0
+    oiq: OIQConfig | None = None
+    description: str = ""
+
+    def make_cache(self, model) -> list:
+        """A fresh prompt cache for ``model``; layers other than plain
+        ``KVCache`` (sliding-window, SSM) stay mlx-lm's own for every kind."""
+        if self.kind == "fp":
+            return make_prompt_cache(model)
+        if self.kind == "mlx":
+            return [
+                c.to_quantized(group_size=self.group_size, bits=self.bits) if type(c) is KVCache else c
+                for c in make_prompt_cache(model)
+            ]
+        if self.kind == "oiq":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return make_oiq_cache(model, self.oiq)
+        raise ValueError(f"unknown cache kind {self.kind!r}")
+
+    def bytes_per_token(self, head_dim: int, tokens: int | None = None) -> float:
+        """Bytes per token per KV head, keys and values together, counting
+        every float as fp16 (2 bytes).
+
+        ``tokens=None``: asymptotic (the quantized segment only).  With
+        ``tokens``: amortized over a sequence of that length, i.e. OIQ's sink
+        and window tokens at full precision and its per-layer means included.
+        """
+        if self.kind == "fp":
+            return 2 * head_dim * FP16_BYTES
+        if self.kind == "mlx":
+            groups = -(-head_dim // self.group_size)
+            return 2 * (head_dim * self.bits / 8 + 2 * groups * FP16_BYTES)
+        cfg = self.oiq
+        asym = cfg.bytes_per_token(head_dim)
+        if tokens is None:
+            return asym
+        dim = cfg.storage_dim(head_dim)
+        if tokens <= cfg.quantize_after:
+            n_full = tokens
+        else:
+            n_full = min(tokens, cfg.sink_tokens) + min(max(tokens - cfg.sink_tokens, 0), cfg.window)
+        n_quant = tokens - n_full
+        means = (int(cfg.center_keys) + int(cfg.center_values)) * dim * FP16_BYTES
+        return (n_quant * asym + n_full * 2 * dim * FP16_BYTES + means) / tokens
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "oiq": None if self.oiq is None else dataclasses.asdict(self.oiq),
+            "description": self.description,
+        }
+
+
+def _plain(bits: int, **kw) -> OIQConfig:
+    return OIQConfig(k_bits=bits, v_bits=bits, sink_tokens=0, window=0, center_keys=False, **kw)
+
+
+def cache_registry() -> dict[str, CacheSpec]:
+    """Every named cache the evaluation knows, in report order."""
+    specs = [CacheSpec("fp", "fp", description="mlx-lm KVCache at the model dtype (reference)")]
+    for g in (64, 32):
+        for b in (8, 4):
+            specs.append(CacheSpec(f"mlx-q{b}-g{g}", "mlx", b, g, description=f"mlx-lm QuantizedKVCache affine {b}-bit group {g}"))
+    specs.append(CacheSpec("absmax-4", "oiq", 4, 32, _plain(4, rotation="none"), "abs-max 4-bit g32, no rotation, no sinks/window/centering"))
+    specs.append(CacheSpec("oiq-nosigns-4", "oiq", 4, 32, _plain(4, rotation="hadamard_nosigns"), "Hadamard without random signs, 4-bit g32, plain"))
+    for b in (4, 3, 2):
+        specs.append(CacheSpec(f"oiq-plain-{b}", "oiq", b, 32, _plain(b), f"OIQ {b}-bit g32, no sinks/window/centering"))
+    for b in (4, 3, 2):
+        specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, OIQConfig(k_bits=b, v_bits=b), f"OIQ {b}-bit g32, defaults (sinks 4, window 32, center keys)"))
+    specs.append(CacheSpec("oiq-2-clip", "oiq", 2, 32, OIQConfig(k_bits=2, v_bits=2, clip=True), "OIQ 2-bit g32, defaults + MSE-clipped scales"))
+    specs.append(CacheSpec("oiq-8", "oiq", 8, 32, OIQConfig(k_bits=8, v_bits=8), "OIQ 8-bit g32, defaults"))
+    return {s.name: s for s in specs}
+
+
+DEFAULT_CACHES = (
+    "fp", "mlx-q8-g64", "mlx-q4-g64", "mlx-q8-g32", "mlx-q4-g32", "absmax-4", "oiq-nosigns-4",
+    "oiq-plain-4", "oiq-plain-3", "oiq-plain-2", "oiq-4", "oiq-3", "oiq-2",
+)
+QUICK_NEEDLE_CACHES = ("fp", "mlx-q4-g64", "oiq-4", "oiq-2")
+
+
+def select_caches(names) -> list[CacheSpec]:
+    """Specs for ``names`` (iterable of registry names), ``fp`` always first."""
+    reg = cache_registry()
+    unknown = [n for n in names if n not in reg]
+    if unknown:
+        raise ValueError(f"unknown cache(s) {unknown}; known: {', '.join(reg)}")
+    names = ["fp"] + [n for n in dict.fromkeys(names) if n != "fp"]
+    return [reg[n] for n in names]
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def kl_divergence(logp_ref: mx.array, logp: mx.array) -> mx.array:
+    """KL(ref || q) in nats along the last axis, from log-probabilities."""
+    return mx.sum(mx.exp(logp_ref) * (logp_ref - logp), axis=-1)
+
+
+def cosine_rows(a: mx.array, b: mx.array) -> mx.array:
+    """Cosine similarity of matching vectors along the last axis (0 vs 0 counts as 1)."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    na, nb = mx.linalg.norm(a, axis=-1), mx.linalg.norm(b, axis=-1)
+    dot = mx.sum(a * b, axis=-1)
+    both_zero = (na == 0) & (nb == 0)
+    return mx.where(both_zero, 1.0, dot / mx.maximum(na * nb, 1e-30))
+
+
+def relative_error(approx: mx.array, exact: mx.array) -> float:
+    """``||approx - exact||_F / ||exact||_F``."""
+    exact = exact.astype(mx.float32)
+    num = mx.linalg.norm((approx.astype(mx.float32) - exact).reshape(-1))
+    den = mx.linalg.norm(exact.reshape(-1))
+    return float(num / mx.maximum(den, 1e-30))
+
+
+def gini(x) -> float:
+    """Gini coefficient of non-negative values: 0 for all equal, (n-1)/n for one non-zero."""
+    v = np.sort(np.asarray(x, dtype=np.float64).reshape(-1))
+    n, total = v.size, v.sum()
+    if n == 0 or total <= 0:
+        return 0.0
+    ranks = np.arange(1, n + 1)
+    return float(2 * np.sum(ranks * v) / (n * total) - (n + 1) / n)
+
+
+def kurtosis(x) -> float:
+    """Pearson kurtosis ``E[(x-mu)^4] / var^2`` (3 for a Gaussian)."""
+    v = np.asarray(x, dtype=np.float64).reshape(-1)
+    c = v - v.mean()
+    var = np.mean(c * c)
+    return float(np.mean(c**4) / var**2) if var > 0 else 0.0
+
+
+def channel_stats(x) -> dict:
+    """Outlier statistics of vectors ``x`` of shape ``(..., tokens, channels)``
+    averaged over the leading axes (heads): kurtosis of the entries, max/median
+    of per-channel mean magnitude, Gini of per-channel energies."""
+    a = np.asarray(x, dtype=np.float64)
+    a = a.reshape(-1, a.shape[-2], a.shape[-1])
+    kurt, ratio, gin = [], [], []
+    for h in a:
+        mag = np.mean(np.abs(h), axis=0)
+        kurt.append(kurtosis(h))
+        med = np.median(mag)
+        ratio.append(float(mag.max() / med) if med > 0 else float("inf"))
+        gin.append(gini(np.sum(h * h, axis=0)))
+    return {"kurtosis": float(np.mean(kurt)), "max_median": float(np.mean(ratio)), "gini": float(np.mean(gin))}
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Progress:
+    """Lines on stderr with elapsed time, throughput and ETA."""
+
+    def __init__(self, stream=sys.stderr, enabled: bool = True):
+        self.stream, self.enabled = stream, enabled
+        self.start = time.perf_counter()
+
+    def __call__(self, msg: str):
+        if self.enabled:
+            print(f"[{_fmt_s(time.perf_counter() - self.start)}] {msg}", file=self.stream, flush=True)
+
+
+def _fmt_s(s: float) -> str:
+    s = max(0, int(round(s)))
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def _eta(done: float, total: float, elapsed: float) -> str:
+    if done <= 0:
+        return "?"
+    return _fmt_s(elapsed * (total - done) / done)
+
+
+# ---------------------------------------------------------------- perplexity / KL
+
+
+def _cache_arrays(cache) -> list:
+    """The arrays a prompt cache holds, to evaluate them with the step."""
+    out = []
+    for c in cache:
+        if isinstance(c, OIQKVCache):
+            for side in (c.k, c.v):
+                out += [a for a in (side.codes, side.scales, side.sink, side.recent, side.mean) if a is not None]
+        elif not c.empty():
+            out.append(c.state)
+    return out
+
+
+def measured_bytes_per_token(cache, tokens: int) -> float:
+    """Allocated bytes of the cache's quantized-or-fp layers (``nbytes``,
+    capacity included, in the arrays' real dtypes) per token per KV head."""
+    total, units = 0, 0
+    for c in cache:
+        if isinstance(c, (OIQKVCache, QuantizedKVCache)) or type(c) is KVCache:
+            total += c.nbytes
+            if isinstance(c, OIQKVCache):
+                heads = c.k.sink.shape[1] if c.k.sink is not None else 0
+            elif isinstance(c, QuantizedKVCache):
+                heads = c.keys[0].shape[1] if c.keys is not None else 0
+            else:
+                heads = c.keys.shape[1] if c.keys is not None else 0
+            units += heads
+    return total / (units * tokens) if units and tokens else 0.0
+
+
+def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, chunk: int = 64,
+                    windows: int = 1, progress=None) -> dict:
+    """Perplexity, KL and top-1 agreement through each cache.
+
+    ``windows`` non-overlapping windows of ``prompt_len + score_len + 1``
+    tokens are taken from ``tokens``.  In each, every cache prefills the
+    prompt, then the next ``score_len`` tokens are fed in chunks of ``chunk``
+    and the prediction of each following token is scored.  All caches advance
+    chunk by chunk together, so the fp reference distribution of a chunk is
+    compared with every cache at the same positions.
+
+    Returns ``{name: {"ppl", "nll", "kl", "top1", "tokens", "tokens_per_s",
+    "ppl_per_window", "measured_bytes_per_token_head"}}``.
+    """
+    progress = progress or Progress(enabled=False)
+    span = prompt_len + score_len + 1
+    tokens = list(tokens)
+    if len(tokens) < span * windows:
+        raise ValueError(f"need {span * windows} tokens for {windows} window(s) of {span}, the text has {len(tokens)}")
+    if specs[0].kind != "fp":
+        raise ValueError("the first spec must be the fp reference")
+    acc = {s.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0, "seconds": 0.0, "win_nll": [], "bytes": []} for s in specs}
+    n_chunks = -(-score_len // chunk)
+    total_units = windows * (n_chunks + 1) * len(specs)
+    done_units, t0 = 0, time.perf_counter()
+    for w in range(windows):
+        seq = tokens[w * span : (w + 1) * span]
+        caches = [s.make_cache(model) for s in specs]
+        prompt = mx.array(seq[:prompt_len])[None]
+        for s, c in zip(specs, caches):
+            t = time.perf_counter()
+            mx.eval(model(prompt, cache=c)[:, -1], _cache_arrays(c))
+            acc[s.name]["seconds"] += time.perf_counter() - t
+            done_units += 1
+        progress(f"ppl window {w + 1}/{windows}: prefilled {prompt_len} tokens x {len(specs)} caches, "
+                 f"ETA {_eta(done_units, total_units, time.perf_counter() - t0)}")
+        win_nll = {s.name: 0.0 for s in specs}
+        for i in range(n_chunks):
+            a = prompt_len + i * chunk
+            b = min(a + chunk, prompt_len + score_len)
+            x = mx.array(seq[a:b])[None]
+            targets = mx.array(seq[a + 1 : b + 1])
+            logp_ref = None
+            rates = []
+            for s, c in zip(specs, caches):
+                t = time.perf_counter()
+                logp = log_softmax(model(x, cache=c)[0])
+                nll = -mx.take_along_axis(logp, targets[:, None], axis=-1).sum()
+                if logp_ref is None:
+                    logp_ref = logp
+                    kl, top1 = mx.array(0.0), mx.array(b - a)
+                else:
+                    kl = kl_divergence(logp_ref, logp).sum()
+                    top1 = (mx.argmax(logp, -1) == mx.argmax(logp_ref, -1)).sum()
+                mx.eval(nll, kl, top1, logp_ref, _cache_arrays(c))
+                dt = time.perf_counter() - t
+                r = acc[s.name]
+                r["seconds"] += dt
+                r["nll"] += nll.item()
+                r["kl"] += kl.item()
+                r["top1"] += int(top1.item())
+                r["n"] += b - a
+                win_nll[s.name] += nll.item()
+                rates.append(f"{s.name} {(b - a) / dt:.0f}")
+                done_units += 1
+            progress(f"ppl window {w + 1}/{windows} chunk {i + 1}/{n_chunks}: tok/s {', '.join(rates)}; "
+                     f"ETA {_eta(done_units, total_units, time.perf_counter() - t0)}")
+        for s, c in zip(specs, caches):
+            acc[s.name]["win_nll"].append(math.exp(win_nll[s.name] / score_len))
+            acc[s.name]["bytes"].append(measured_bytes_per_token(c, span - 1))
+        del caches
+    out = {}
+    for s in specs:
+        r = acc[s.name]
+        out[s.name] = {
+            "ppl": math.exp(r["nll"] / r["n"]),
+            "nll": r["nll"] / r["n"],
+            "kl": r["kl"] / r["n"],
+            "top1": r["top1"] / r["n"],
+            "tokens": r["n"],
+            "tokens_per_s": windows * (span - 1) / r["seconds"] if r["seconds"] else None,
+            "ppl_per_window": r["win_nll"],
+            "measured_bytes_per_token_head": float(np.mean(r["bytes"])),
+        }
+        progress(f"ppl {s.name}: ppl {out[s.name]['ppl']:.3f} KL {out[s.name]['kl']:.4f} "
+                 f"top1 {out[s.name]['top1']:.3f} ({out[s.name]['tokens_per_s']:.0f} tok/s)")
+    return out
+
+
+# ---------------------------------------------------------------- needle in a haystack
+
+
+@dataclasses.dataclass
+class NeedlePrompt:
+    ids: list
+    passkey: str
+    length: int
+    depth: float
+    needle_start: int
+    """index in ``ids`` of the first needle token"""
+    hay_start: int
+    hay_len: int
+
+
+NEEDLE_TEMPLATE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\n\nWhat is the pass key? Answer with the number only."
+ANSWER_PREFIX = "The pass key is"
+
+
+def _sentence_ends(tokenizer, ids) -> list[int]:
+    """Indices ``i`` such that a sentence ends just before ``ids[i]``."""
+    ends = [0]
+    for i, t in enumerate(ids):
+        if tokenizer.decode([t]).rstrip().endswith((".", "!", "?", '."', ".\u201d")):
+            ends.append(i + 1)
+    return ends
+
+
+def _encode(tokenizer, text: str) -> list:
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def needle_frame(tokenizer, chat: bool) -> tuple[list, list]:
+    """Token ids before the haystack and after it (question + answer prefix)."""
+    question, answer = _encode(tokenizer, QUESTION), _encode(tokenizer, ANSWER_PREFIX)
+    if chat and getattr(tokenizer, "chat_template", None):
+        marker = "\u2063HAYSTACK\u2063"
+        text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+        before, after = text.split(marker)
+        return _encode(tokenizer, before), question + _encode(tokenizer, after) + answer
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    return bos, question + _encode(tokenizer, "\n") + answer
+
+
+def build_needle_prompt(tokenizer, filler_ids, length: int, depth: float, passkey: str, *, chat: bool = True,
+                        sentence_ends=None) -> NeedlePrompt:
+    """A prompt of exactly ``length`` tokens: template, Austen filler with the
+    passkey sentence inserted at a sentence boundary nearest ``depth`` (0 =
+    start, 1 = end of the filler), question, answer prefix."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    head, tail = needle_frame(tokenizer, chat)
+    needle = _encode(tokenizer, NEEDLE_TEMPLATE.format(key=passkey))
+    n_hay = length - len(head) - len(tail) - len(needle)
+    if n_hay < 1:
+        raise ValueError(f"length {length} is too short for the needle frame ({length - n_hay} tokens)")
+    filler = list(filler_ids)
+    while len(filler) < n_hay:
+        filler = filler + list(filler_ids)
+    filler = filler[:n_hay]
+    ends = sentence_ends if sentence_ends is not None else _sentence_ends(tokenizer, filler)
+    ends = [e for e in ends if e <= n_hay]
+    cut = min(ends, key=lambda e: abs(e - depth * n_hay))
+    ids = head + filler[:cut] + needle + filler[cut:] + tail
+    return NeedlePrompt(ids, passkey, len(ids), cut / n_hay, len(head) + cut, len(head), n_hay + len(needle))
+
+
+def retrieved_passkey(text: str) -> str | None:
+    """The first run of digits in the model's answer."""
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def greedy_answer(model, tokenizer, ids, cache, max_tokens: int = 8) -> str:
+    from mlx_lm.generate import generate_step
+
+    out = []
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    for tok, _ in generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=max_tokens):
+        t = int(tok)
+        if t in eos:
+            break
+        out.append(t)
+    return tokenizer.decode(out)
+
+
+def needle_eval(model, tokenizer, specs, *, filler_text: str, lengths, depths, chat: bool = True, seed: int = 0,
+                max_tokens: int = 8, progress=None) -> dict:
+    """Exact passkey retrieval on a ``lengths x depths`` grid for each cache.
+
+    Returns ``{"grid": {name: [[0/1 per depth] per length]}, "answers": ...,
+    "score": {name: fraction}, "lengths", "depths", "chat"}``."""
+    progress = progress or Progress(enabled=False)
+    rng = random.Random(seed)
+    filler = _encode(tokenizer, filler_text)
+    need = max(lengths)
+    while len(filler) < need:
+        filler = filler + filler
+    filler = filler[: need + 1]
+    ends = _sentence_ends(tokenizer, filler)
+    prompts = {}
+    for L in lengths:
+        for d in depths:
+            prompts[(L, d)] = build_needle_prompt(
+                tokenizer, filler, L, d, str(rng.randint(10000, 99999)), chat=chat, sentence_ends=ends
+            )
+    grid, answers, seconds = {}, {}, {}
+    total = len(specs) * sum(lengths) * len(depths)
+    done, t0 = 0, time.perf_counter()
+    for s in specs:
+        grid[s.name], answers[s.name] = [], []
+        t_spec = time.perf_counter()
+        for L in lengths:
+            row, arow = [], []
+            for d in depths:
+                p = prompts[(L, d)]
+                text = greedy_answer(model, tokenizer, p.ids, s.make_cache(model), max_tokens)
+                ok = retrieved_passkey(text) == p.passkey
+                row.append(int(ok))
+                arow.append(text)
+                done += L
+                progress(f"needle {s.name} len {L} depth {d:.2f}: {'OK ' if ok else 'MISS'} {text.strip()[:30]!r} "
+                         f"(key {p.passkey}); ETA {_eta(done, total, time.perf_counter() - t0)}")
+            grid[s.name].append(row)
+            answers[s.name].append(arow)
+        seconds[s.name] = time.perf_counter() - t_spec
+    return {
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "chat": chat,
+        "format": {"needle": NEEDLE_TEMPLATE, "question": QUESTION, "answer_prefix": ANSWER_PREFIX},
+        "passkeys": [[prompts[(L, d)].passkey for d in depths] for L in lengths],
+        "actual_depths": [[prompts[(L, d)].depth for d in depths] for L in lengths],
+        "grid": grid,
+        "answers": answers,
+        "score": {n: float(np.mean(g)) for n, g in grid.items()},
+        "seconds": seconds,
+    }
+
+
+# ---------------------------------------------------------------- attention fidelity
+
+
+def capture_attention_inputs(model, tokens) -> list[dict]:
+    """Run ``model`` on ``tokens`` with an fp cache and record, per attention
+    call (= per layer, in order), the post-RoPE ``queries``, the ``keys`` and
+    ``values`` the fp cache returned, ``scale`` and the layer index."""
+    install()
+    records, originals = [], {}
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith("mlx_lm.models.") and hasattr(module, "scaled_dot_product_attention"):
+            originals[name] = module.scaled_dot_product_attention
+    cache = make_prompt_cache(model)
+    index = {id(c): i for i, c in enumerate(cache)}
+
+    def recorder(original):
+        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+            records.append({"layer": index.get(id(cache)), "queries": queries, "keys": keys, "values": values,
+                            "scale": scale, "sinks": sinks, "cache_type": type(cache).__name__})
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return sdpa
+
+    try:
+        for name, fn in originals.items():
+            sys.modules[name].scaled_dot_product_attention = recorder(fn)
+        mx.eval(model(mx.array(list(tokens))[None], cache=cache))
+    finally:
+        for name, fn in originals.items():
+            sys.modules[name].scaled_dot_product_attention = fn
+    return records
+
+
+def _layer_attention(spec: CacheSpec, layer_cache, rec) -> tuple | None:
+    """(output, k_hat, v_hat) of one layer's cache fed the fp K/V, or None
+    when this spec keeps that layer in full precision anyway."""
+    q, k, v, scale = rec["queries"], rec["keys"], rec["values"], rec["scale"]
+    if isinstance(layer_cache, OIQKVCache):
+        layer_cache.update_and_fetch(k, v)
+        out = oiq_attention(q, layer_cache, scale=scale, mask="causal", sinks=rec["sinks"])
+        k_hat, v_hat = layer_cache.dequantized_kv()
+        return out, k_hat, v_hat
+    if isinstance(layer_cache, QuantizedKVCache):
+        qk, qv = layer_cache.update_and_fetch(k, v)
+        out = quantized_scaled_dot_product_attention(q, qk, qv, scale=scale, mask="causal",
+                                                     group_size=layer_cache.group_size, bits=layer_cache.bits)
+        deq = lambda t: mx.dequantize(*t, group_size=layer_cache.group_size, bits=layer_cache.bits)  # noqa: E731
+        return out, deq(qk), deq(qv)
+    if type(layer_cache) is KVCache and spec.kind == "fp":
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=rec["sinks"]), k, v
+    return None
+
+
+def attention_fidelity(model, tokens, specs, *, records=None, progress=None) -> dict:
+    """Per-layer attention-output cosine and relative K/V error of each cache.
+
+    The fp queries/keys/values of ``tokens`` (one causal prefill) are
+    captured per layer; each cache layer receives the fp keys/values in one
+    chunk (as a prompt prefill would write them), and its attention over the
+    same queries is compared with ``mx.fast.scaled_dot_product_attention``
+    on the fp keys/values.  Errors therefore do not compound across layers.
+
+    Returns ``{name: {"cos_mean", "cos_min_layer", "k_rel_err", "v_rel_err",
+    "per_layer": [{"layer", "cos", "cos_min", "k_rel_err", "v_rel_err"}]}}``.
+    """
+    progress = progress or Progress(enabled=False)
+    records = records if records is not None else capture_attention_inputs(model, tokens)
+    out = {}
+    for s in specs:
+        cache = s.make_cache(model)
+        per_layer = []
+        for rec in records:
+            li = rec["layer"]
+            if li is None:
+                continue
+            q, k, v = rec["queries"], rec["keys"], rec["values"]
+            res = _layer_attention(s, cache[li], rec)
+            if res is None:
+                continue
+            o, k_hat, v_hat = res
+            ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=rec["scale"], mask="causal", sinks=rec["sinks"])
+            cos = cosine_rows(o, ref)
+            per_layer.append({
+                "layer": li,
+                "cos": float(cos.mean()),
+                "cos_min": float(cos.min()),
+                "k_rel_err": relative_error(k_hat, k),
+                "v_rel_err": relative_error(v_hat, v),
+            })
+        if not per_layer:
+            continue
+        out[s.name] = {
+            "cos_mean": float(np.mean([p["cos"] for p in per_layer])),
+            "cos_min_layer": float(np.min([p["cos"] for p in per_layer])),
+            "k_rel_err": float(np.mean([p["k_rel_err"] for p in per_layer])),
+            "v_rel_err": float(np.mean([p["v_rel_err"] for p in per_layer])),
+            "per_layer": per_layer,
+        }
+        progress(f"fidelity {s.name}: attention cos {out[s.name]['cos_mean']:.5f} "
+                 f"K err {out[s.name]['k_rel_err']:.4f} V err {out[s.name]['v_rel_err']:.4f}")
+    return out
+
+
+def key_outlier_stats(records, seed: int = 0, group_size: int = 32) -> dict:
+    """Outlier statistics of the fp keys of each full-attention layer before
+    rotation, after the sign-randomized Hadamard rotation OIQ applies (the
+    layer's own signs), and after the Hadamard transform without signs.
+
+    Returns ``{"before"|"rotated"|"rotated_nosigns": {"kurtosis", "max_median",
+    "gini"} averaged over layers, "per_layer": [...]}``."""
+    cfg = OIQConfig(group_size=group_size, seed=seed)
+    per_layer = []
+    for rec in records:
+        if rec["layer"] is None or rec["cache_type"] != "KVCache":
+            continue
+        k = rec["keys"].astype(mx.float32)
+        dim = cfg.storage_dim(k.shape[-1])
+        if dim != k.shape[-1]:
+            k = mx.pad(k, [(0, 0)] * 3 + [(0, dim - k.shape[-1])])
+        signs = random_signs(layer_seed(seed, rec["layer"], 0), dim)
+        entry = {"layer": rec["layer"]}
+        for label, x in (("before", k), ("rotated", rotate(k, signs)), ("rotated_nosigns", rotate(k, mx.ones_like(signs)))):
+            entry[label] = channel_stats(np.array(x[0]))
+        per_layer.append(entry)
+    summary = {}
+    for label in ("before", "rotated", "rotated_nosigns"):
+        summary[label] = {m: float(np.mean([e[label][m] for e in per_layer])) for m in ("kurtosis", "max_median", "gini")}
+    summary["per_layer"] = per_layer
+    return summary
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+@dataclasses.dataclass
+class EvalSettings:
+    """Everything a run depends on (stored verbatim in the JSON)."""
+
+    model: str = "demo"
+    text: str | None = None
+    caches: tuple = DEFAULT_CACHES
+    prompt_len: int = 256
+    score_len: int = 768
+    chunk: int = 64
+    windows: int = 1
+    needle_caches: tuple | None = None
+    needle_lengths: tuple = (1024, 2048, 4096, 8192)
+    needle_depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
+    needle_chat: bool = True
+    fidelity_tokens: int = 512
+    seed: int = 0
+    skip: tuple = ()
+
+
+def quick_settings(**overrides) -> EvalSettings:
+    """About 10 minutes on 2 CPU cores with SmolLM2 (see the script's --help)."""
+    base = dict(prompt_len=256, score_len=384, chunk=64, windows=1, needle_caches=QUICK_NEEDLE_CACHES,
+                needle_lengths=(512, 1024), needle_depths=(0.0, 0.5, 1.0), fidelity_tokens=256)
+    base.update(overrides)
+    return EvalSettings(**base)
+
+
+def load_model(name: str):
+    """``"demo"`` (SmolLM2-135M), ``"gemma3"`` (Gemma 3 270M), a ``.gguf`` path or
+    an mlx-lm model id; returns ``(model, tokenizer, resolved_path)``."""
+    from . import models
+
+    if name == "demo":
+        path = models.demo_model_path()
+    elif name == "gemma3":
+        path = models.gemma3_model_path()
+    else:
+        path = name
+    model, tokenizer = models.load(path)
+    return model, tokenizer, str(path)
+
+
+def load_text(path: str | None) -> str:
+    if path is None:
+        from . import models
+
+        return models.default_text()
+    return Path(path).read_text(encoding="utf-8")
+
+
+def environment() -> dict:
+    import mlx_lm
+
+    from . import __version__, _platform
+
+    try:
+        metal = bool(mx.metal.is_available())
+    except Exception:
+        metal = False
+    return {
+        "oiq_mlx": __version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "device": str(mx.default_device()),
+        "metal": metal,
+        "openblas": _platform.openblas_path,
+        "cpu_count": __import__("os").cpu_count(),
+    }
+
+
+def run_evaluation(settings: EvalSettings, *, model=None, tokenizer=None, progress=None) -> dict:
+    """Run every measurement ``settings`` asks for; returns a JSON-serialisable dict.
+
+    ``model``/``tokenizer`` may be passed in (tests); otherwise
+    ``settings.model`` is loaded with :func:`load_model`.  ``settings.skip``
+    may hold ``"ppl"``, ``"needle"``, ``"fidelity"``.
+    """
+    progress = progress or Progress()
+    t_start = time.perf_counter()
+    model_path = None
+    if model is None:
+        progress(f"loading model {settings.model}")
+        model, tokenizer, model_path = load_model(settings.model)
+    install()
+    specs = select_caches(settings.caches)
+    text = load_text(settings.text)
+    head_dim = model_head_dim(model)
+    result = {
+        "settings": dataclasses.asdict(settings),
+        "model": {"name": settings.model, "path": model_path, "args": _model_args(model), "head_dim": head_dim},
+        "environment": environment(),
+        "caches": [s.to_dict() for s in specs],
+        "bytes_per_token_head": {},
+        "notes": [
+            "fp = mlx-lm KVCache at the model dtype; bytes are counted as fp16 (2 bytes per value) for it "
+            "and for every scale/bias/mean/full-precision segment ('fp16-equivalent').",
+            "mlx-q* caches are quantized from token 0 (generate_step's quantized_kv_start=0).",
+            "measured_bytes_per_token_head = sum of nbytes (allocated capacity, real dtypes) / (tokens x KV layers x KV heads).",
+        ],
+    }
+    n_tokens = settings.prompt_len + settings.score_len
+    for s in specs:
+        result["bytes_per_token_head"][s.name] = {
+            "asymptotic": s.bytes_per_token(head_dim),
+            f"amortized_at_{n_tokens}": s.bytes_per_token(head_dim, n_tokens),
+        }
+    tokens = tokenizer.encode(text)
+    result["text"] = {"source": settings.text or "oiq_mlx default_text (Austen, Persuasion)", "tokens": len(tokens)}
+    if "ppl" not in settings.skip:
+        progress(f"perplexity: {len(specs)} caches, prompt {settings.prompt_len} + {settings.score_len} scored, "
+                 f"chunks of {settings.chunk}, {settings.windows} window(s)")
+        result["perplexity"] = perplexity_eval(model, tokens, specs, prompt_len=settings.prompt_len,
+                                               score_len=settings.score_len, chunk=settings.chunk,
+                                               windows=settings.windows, progress=progress)
+    if "fidelity" not in settings.skip:
+        progress(f"attention fidelity on {settings.fidelity_tokens} tokens")
+        records = capture_attention_inputs(model, tokens[: settings.fidelity_tokens])
+        result["fidelity"] = attention_fidelity(model, None, specs, records=records, progress=progress)
+        result["key_outliers"] = key_outlier_stats(records, seed=OIQConfig().seed)
+        k = result["key_outliers"]
+        progress(f"key outliers: gini {k['before']['gini']:.3f} -> {k['rotated']['gini']:.3f}, "
+                 f"kurtosis {k['before']['kurtosis']:.2f} -> {k['rotated']['kurtosis']:.2f}")
+        del records
+    if "needle" not in settings.skip:
+        needle_specs = select_caches(settings.needle_caches) if settings.needle_caches else specs
+        progress(f"needle: {len(needle_specs)} caches x lengths {list(settings.needle_lengths)} x depths {list(settings.needle_depths)}")
+        result["needle"] = needle_eval(model, tokenizer, needle_specs, filler_text=text, lengths=settings.needle_lengths,
+                                       depths=settings.needle_depths, chat=settings.needle_chat, seed=settings.seed,
+                                       progress=progress)
+    result["wall_seconds"] = time.perf_counter() - t_start
+    progress(f"done in {_fmt_s(result['wall_seconds'])}")
+    return result
+
+
+def _model_args(model) -> dict:
+    args = getattr(model, "args", None)
+    if args is None:
+        return {}
+    if dataclasses.is_dataclass(args):
+        d = dataclasses.asdict(args)
+    else:
+        d = dict(vars(args))
+    d.pop("layer_types", None)
+    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None), list))}
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def markdown_table(result: dict) -> str:
+    """One row per cache: bytes, perplexity, KL, top-1, fidelity, needle."""
+    ppl = result.get("perplexity", {})
+    fid = result.get("fidelity", {})
+    needle = result.get("needle", {})
+    bpt = result["bytes_per_token_head"]
+    amort_key = next((k for k in next(iter(bpt.values())) if k.startswith("amortized")), None)
+    base = ppl.get("fp", {}).get("ppl")
+    head = ["cache", "B/tok/head", f"B/tok/head @{amort_key.split('_')[-1]}" if amort_key else "", "ppl", "Δppl",
+            "KL (nats)", "top-1", "attn cos", "K rel err", "V rel err", "needle"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for spec in result["caches"]:
+        n = spec["name"]
+        p, f = ppl.get(n), fid.get(n)
+        g = needle.get("grid", {}).get(n)
+        cells = [
+            n,
+            f"{bpt[n]['asymptotic']:.1f}",
+            f"{bpt[n][amort_key]:.1f}" if amort_key else "",
+            f"{p['ppl']:.2f}" if p else "-",
+            (f"{100 * (p['ppl'] / base - 1):+.1f}%" if p and base else "-"),
+            f"{p['kl']:.4f}" if p else "-",
+            f"{100 * p['top1']:.1f}%" if p else "-",
+            f"{f['cos_mean']:.4f}" if f else "-",
+            f"{f['k_rel_err']:.3f}" if f else "-",
+            f"{f['v_rel_err']:.3f}" if f else "-",
+            f"{int(np.sum(g))}/{int(np.size(g))}" if g is not None else "-",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    lines = rows
+    k = result.get("key_outliers")
+    if k:
+        lines += ["", "| keys | kurtosis | max/median channel | Gini of channel energy |", "|---|---|---|---|"]
+        for label in ("before", "rotated", "rotated_nosigns"):
+            lines.append(f"| {label} | {k[label]['kurtosis']:.2f} | {k[label]['max_median']:.2f} | {k[label]['gini']:.3f} |")
+    if needle:
+        lines += ["", f"needle grid (rows: length, columns: depth {needle['depths']}; 1 = exact passkey)"]
+        for n, g in needle["grid"].items():
+            cells = "; ".join(f"{L}: {''.join(str(x) for x in row)}" for L, row in zip(needle["lengths"], g))
+            lines.append(f"- {n}: {cells}")
+    return "\n".join(lines)
+
+
+def save_plots(result: dict, out_dir) -> list[str]:
+    """Frontier (KL and perplexity vs bytes per token) and needle heatmaps as
+    PNG files in ``out_dir``; returns the paths, or [] when matplotlib is
+    missing (a message goes to stderr)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots", file=sys.stderr)
+        return []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    ppl = result.get("perplexity")
+    if ppl:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        for ax, metric, label in ((axes[0], "ppl", "perplexity"), (axes[1], "kl", "KL(fp || cache), nats")):
+            for n, r in ppl.items():
+                x = result["bytes_per_token_head"][n]["asymptotic"]
+                y = max(r[metric], 1e-6) if metric == "kl" else r[metric]
+                kind = next(c["kind"] for c in result["caches"] if c["name"] == n)
+                ax.scatter([x], [y], marker={"fp": "*", "mlx": "s", "oiq": "o"}[kind], s=50)
+                ax.annotate(n, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+            ax.set_xlabel("bytes per token per KV head (K+V, fp16-equivalent, asymptotic)")
+            ax.set_ylabel(label)
+            ax.set_xscale("log", base=2)
+            if metric == "kl":
+                ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"{result['model']['name']}: quality vs cache size")
+        fig.tight_layout()
+        p = out_dir / "frontier.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(str(p))
+    needle = result.get("needle")
+    if needle:
+        names = list(needle["grid"])
+        fig, axes = plt.subplots(1, len(names), figsize=(2.2 + 2.2 * len(names), 2.5 + 0.3 * len(needle["lengths"])), squeeze=False)
+        for ax, n in zip(axes[0], names):
+            ax.imshow(np.array(needle["grid"][n]), cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            ax.set_xticks(range(len(needle["depths"])), [f"{d:.0%}" for d in needle["depths"]], fontsize=7)
+            ax.set_yticks(range(len(needle["lengths"])), [str(L) for L in needle["lengths"]], fontsize=7)
+            ax.set_title(n, fontsize=9)
+            ax.set_xlabel("depth", fontsize=8)
+        axes[0][0].set_ylabel("prompt tokens")
+        fig.tight_layout()
+        p = out_dir / "needle.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(str(p))
+    return paths

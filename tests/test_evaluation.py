@@ -1,0 +1,246 @@
+"""Tests of oiq_mlx.evaluation on tiny random-weight llama models (one slow smoke
+test on the real SmolLM2)."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS)
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from oiq_mlx import evaluation as ev
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_llama(seed=0, layers=2, head_dim=32, vocab=128):
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=96,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5,
+        vocab_size=vocab, rope_theta=10000.0, tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    # random init gives near-uniform logits; sharpen so KL/ppl differences are visible
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 8
+    mx.eval(model.parameters())
+    return model
+
+
+class CharTokenizer:
+    """Byte-level toy tokenizer with the methods the needle harness uses."""
+
+    bos_token_id = None
+    eos_token_ids = []
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def _tokens(n, vocab=128, seed=1):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, size=n).tolist()
+
+
+# ---------------------------------------------------------------- metrics with known answers
+
+
+def test_kl_of_known_distributions():
+    p = mx.array([[0.5, 0.5]])
+    q = mx.array([[0.9, 0.1]])
+    expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
+    got = ev.kl_divergence(mx.log(p), mx.log(q)).item()
+    assert abs(got - expected) < 1e-6
+    assert ev.kl_divergence(mx.log(q), mx.log(q)).item() == 0.0
+
+
+def test_log_softmax_normalises():
+    logits = mx.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
+    lp = ev.log_softmax(logits)
+    assert np.allclose(np.exp(np.array(lp)).sum(-1), 1.0, atol=1e-6)
+    assert abs(lp[1, 0].item() - math.log(1 / 3)) < 1e-6
+
+
+def test_cosine_and_relative_error():
+    a = mx.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
+    b = mx.array([[0.0, 2.0], [2.0, 2.0], [0.0, 0.0]])
+    assert np.allclose(np.array(ev.cosine_rows(a, b)), [0.0, 1.0, 1.0], atol=1e-6)
+    assert ev.relative_error(a, a) == 0.0
+    assert abs(ev.relative_error(mx.array([3.0, 4.0]) * 1.1, mx.array([3.0, 4.0])) - 0.1) < 1e-6
+
+
+def test_gini_and_kurtosis_known_vectors():
+    assert ev.gini(np.ones(16)) == pytest.approx(0.0, abs=1e-12)
+    one_hot = np.zeros(16)
+    one_hot[3] = 5.0
+    assert ev.gini(one_hot) == pytest.approx(15 / 16)
+    assert ev.gini([1, 2, 3, 4]) == pytest.approx(0.25)
+    # kurtosis of a symmetric two-point distribution is 1, of a Gaussian 3
+    assert ev.kurtosis([-1, 1] * 50) == pytest.approx(1.0)
+    assert ev.kurtosis(np.random.default_rng(0).standard_normal(200_000)) == pytest.approx(3.0, abs=0.05)
+
+
+def test_rotation_flattens_an_outlier_channel():
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 2, 256, 64)).astype(np.float32)
+    k[..., 5] *= 30
+    records = [{"layer": 0, "keys": mx.array(k), "cache_type": "KVCache"}]
+    stats = ev.key_outlier_stats(records)
+    assert stats["before"]["gini"] > 0.7
+    assert stats["rotated"]["gini"] < 0.2
+    assert stats["rotated"]["max_median"] < stats["before"]["max_median"]
+
+
+# ---------------------------------------------------------------- perplexity through caches
+
+
+def test_identical_caches_give_zero_kl_and_equal_ppl():
+    model = tiny_llama()
+    toks = _tokens(97)
+    fp = ev.cache_registry()["fp"]
+    twin = ev.CacheSpec("fp-twin", "fp")
+    res = ev.perplexity_eval(model, toks, [fp, twin], prompt_len=32, score_len=64, chunk=16)
+    assert res["fp-twin"]["ppl"] == pytest.approx(res["fp"]["ppl"], rel=1e-6)
+    assert abs(res["fp-twin"]["kl"]) < 1e-7
+    assert res["fp-twin"]["top1"] == 1.0
+    assert res["fp"]["tokens"] == 64
+
+
+def test_perplexity_matches_single_forward_pass():
+    model = tiny_llama()
+    toks = _tokens(65)
+    res = ev.perplexity_eval(model, toks, [ev.cache_registry()["fp"]], prompt_len=16, score_len=48, chunk=16)
+    logp = ev.log_softmax(model(mx.array(toks[:-1])[None])[0])
+    nll = -np.array(logp)[np.arange(16, 64), np.array(toks[17:65])].mean()
+    assert res["fp"]["ppl"] == pytest.approx(math.exp(nll), rel=1e-4)
+
+
+def test_quantized_caches_ordered_by_bits():
+    model = tiny_llama()
+    toks = _tokens(97)
+    specs = ev.select_caches(["oiq-8", "oiq-plain-2", "mlx-q8-g32"])
+    res = ev.perplexity_eval(model, toks, specs, prompt_len=32, score_len=64, chunk=32)
+    assert res["oiq-8"]["kl"] < res["oiq-plain-2"]["kl"]
+    assert res["mlx-q8-g32"]["kl"] < res["oiq-plain-2"]["kl"]
+    assert 0 < res["oiq-8"]["kl"] < 1e-2
+    for r in res.values():
+        assert r["measured_bytes_per_token_head"] > 0
+
+
+def test_bytes_per_token():
+    reg = ev.cache_registry()
+    assert reg["fp"].bytes_per_token(64) == 256
+    # mlx affine: codes + fp16 scale and bias per group, K and V
+    assert reg["mlx-q4-g64"].bytes_per_token(64) == 2 * (32 + 4)
+    assert reg["oiq-plain-4"].bytes_per_token(64) == 2 * (32 + 4)
+    assert reg["oiq-plain-4"].bytes_per_token(64, 1000) == pytest.approx(72)
+    # defaults: 4 sinks + 32 window at fp16, one key mean of 64 fp16 values
+    expected = ((100 - 36) * 72 + 36 * 256 + 128) / 100
+    assert reg["oiq-4"].bytes_per_token(64, 100) == pytest.approx(expected)
+
+
+def test_select_caches_puts_fp_first_and_rejects_unknown():
+    specs = ev.select_caches(["oiq-4", "fp"])
+    assert [s.name for s in specs] == ["fp", "oiq-4"]
+    with pytest.raises(ValueError):
+        ev.select_caches(["nope"])
+
+
+# ---------------------------------------------------------------- fidelity
+
+
+def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
+    model = tiny_llama(layers=3)
+    records = ev.capture_attention_inputs(model, _tokens(80))
+    assert [r["layer"] for r in records] == [0, 1, 2]
+    assert records[0]["queries"].shape == (1, 4, 80, 32)
+    specs = ev.select_caches(["oiq-8", "oiq-plain-2", "mlx-q4-g32"])
+    res = ev.attention_fidelity(model, None, specs, records=records)
+    assert res["fp"]["cos_mean"] == pytest.approx(1.0, abs=1e-6)
+    assert res["fp"]["k_rel_err"] == 0.0
+    assert res["oiq-8"]["cos_mean"] > 0.999
+    assert res["oiq-8"]["k_rel_err"] < res["oiq-plain-2"]["k_rel_err"]
+    assert len(res["oiq-8"]["per_layer"]) == 3
+
+
+# ---------------------------------------------------------------- needle harness
+
+
+FILLER = "It was a truth universally acknowledged. She smiled! Did he know? " * 200
+
+
+@pytest.mark.parametrize("length", [300, 1000, 2000])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 0.5, 1.0])
+def test_needle_prompt_length_and_depth(length, depth):
+    tok = CharTokenizer()
+    filler = tok.encode(FILLER)
+    p = ev.build_needle_prompt(tok, filler, length, depth, "48213", chat=False)
+    assert abs(p.length - length) <= 0.01 * length
+    assert len(p.ids) == p.length
+    # the needle moves to the nearest sentence end; the longest filler sentence has 40 characters
+    n_filler = p.hay_len - len(tok.encode(ev.NEEDLE_TEMPLATE.format(key="48213")))
+    assert abs((p.needle_start - p.hay_start) - depth * n_filler) <= 40
+    text = tok.decode(p.ids)
+    assert text.count("48213") == 2
+    assert text.endswith(ev.ANSWER_PREFIX)
+    assert tok.decode(p.ids[p.needle_start :]).startswith(" The pass key is 48213.")
+    # the needle sits at a sentence boundary
+    before = tok.decode(p.ids[p.hay_start : p.needle_start]).rstrip()
+    assert before == "" or before[-1] in ".!?"
+
+
+def test_retrieved_passkey():
+    assert ev.retrieved_passkey(" 48213. Remember") == "48213"
+    assert ev.retrieved_passkey(" unknown") is None
+
+
+def test_needle_eval_runs_through_generate_step():
+    model = tiny_llama(vocab=256)
+    res = ev.needle_eval(model, CharTokenizer(), ev.select_caches(["oiq-4"]), filler_text=FILLER,
+                         lengths=(200,), depths=(0.0, 1.0), chat=False, max_tokens=3)
+    assert set(res["grid"]) == {"fp", "oiq-4"}
+    assert np.array(res["grid"]["fp"]).shape == (1, 2)
+
+
+# ---------------------------------------------------------------- report and script
+
+
+def test_markdown_and_run_evaluation_on_tiny_model(tmp_path):
+    model = tiny_llama(vocab=256)
+    settings = ev.EvalSettings(caches=("oiq-4", "mlx-q8-g32"), prompt_len=32, score_len=32, chunk=16,
+                               fidelity_tokens=48, needle_lengths=(150,), needle_depths=(0.5,), needle_chat=False,
+                               text=str(tmp_path / "t.txt"))
+    (tmp_path / "t.txt").write_text(FILLER)
+    res = ev.run_evaluation(settings, model=model, tokenizer=CharTokenizer(), progress=ev.Progress(enabled=False))
+    table = ev.markdown_table(res)
+    assert "| oiq-4 |" in table and "| mlx-q8-g32 |" in table
+    import json
+
+    json.dumps(res)
+
+
+def test_script_help():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "eval_quality.py"), "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "--quick" in out.stdout and "--model" in out.stdout
+
+
+@pytest.mark.slow
+def test_smoke_real_model():
+    settings = ev.quick_settings(caches=("oiq-4",), prompt_len=64, score_len=128, fidelity_tokens=64,
+                                 needle_caches=("fp",), needle_lengths=(200,), needle_depths=(0.5,))
+    res = ev.run_evaluation(settings, progress=ev.Progress(enabled=False))
+    ppl = res["perplexity"]
+    assert 5 < ppl["fp"]["ppl"] < 200
+    assert ppl["oiq-4"]["kl"] < 0.2
+    assert res["fidelity"]["oiq-4"]["cos_mean"] > 0.95
+    assert res["key_outliers"]["rotated"]["gini"] < res["key_outliers"]["before"]["gini"]
