@@ -1,0 +1,558 @@
+"""Latency and memory benchmark of KV caches: full precision, mlx-lm quantized, OIQ.
+
+Two modes, both measuring every cache configuration side by side in one
+process (decode steps are interleaved round-robin across configurations, so
+noise from other processes hits all of them alike):
+
+* model (:func:`run_model`): a real model, the same prompt cut to each context
+  length; prefill time, decode ms/token (every sample kept), KV bytes held
+  (``nbytes`` summed over layers) and peak memory of prefill and decode;
+* attention (:func:`run_attention`): one layer with synthetic q/K/V, timing
+  the cache append (quantize) and the decode attention alone, the bytes that
+  attention reads per step and the resulting GB/s.
+
+Peak memory comes from ``mx.get_peak_memory`` (tracked by the CPU allocator
+too), reported *over* the memory that was active before the measured work
+started (model weights and other configurations' caches excluded).
+
+``scripts/bench_latency.py`` is the command-line front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
+from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
+
+from .attention import oiq_attention
+from .cache import OIQKVCache
+from .config import OIQConfig
+from .integration import install, make_oiq_cache
+
+MLX_GROUP_SIZE = 64  # mlx-lm QuantizedKVCache default
+DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+QUICK_CONTEXTS = (512, 2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """One cache configuration: ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` in the
+    model's dtype), ``"mlx"`` (mlx-lm ``QuantizedKVCache``, group 64) or
+    ``"oiq"`` (:class:`OIQKVCache` with ``config``)."""
+
+    name: str
+    kind: str
+    bits: int | None = None
+    config: OIQConfig | None = None
+
+    def make_model_cache(self, model) -> list:
+        if self.kind == "oiq":
+            return make_oiq_cache(model, self.config)
+        cache = make_prompt_cache(model)
+        if self.kind == "mlx":
+            cache = [_replace_kv(c, lambda: QuantizedKVCache(group_size=MLX_GROUP_SIZE, bits=self.bits)) for c in cache]
+        return cache
+
+    def make_layer_cache(self):
+        if self.kind == "oiq":
+            return OIQKVCache(self.config, layer_idx=0)
+        if self.kind == "mlx":
+            return QuantizedKVCache(group_size=MLX_GROUP_SIZE, bits=self.bits)
+        return KVCache()
+
+    def describe(self) -> dict:
+        d = {"name": self.name, "kind": self.kind, "bits": self.bits}
+        if self.config is not None:
+            d["oiq_config"] = dataclasses.asdict(self.config)
+        if self.kind == "mlx":
+            d["group_size"] = MLX_GROUP_SIZE
+        return d
+
+
+def _replace_kv(c, factory):
+    if type(c) is KVCache:
+        return factory()
+    if isinstance(c, CacheList):
+        c.caches = tuple(_replace_kv(x, factory) for x in c.caches)
+    return c
+
+
+def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), oiq_config: OIQConfig | None = None, fp: bool = True):
+    """fp, then mlx-lm quantized at each of ``mlx_bits``, then OIQ with
+    ``k_bits = v_bits`` at each of ``oiq_bits`` (other fields from ``oiq_config``)."""
+    base = oiq_config if oiq_config is not None else OIQConfig()
+    specs = [CacheSpec("fp", "fp")] if fp else []
+    specs += [CacheSpec(f"mlx-q{b}", "mlx", bits=b) for b in mlx_bits]
+    specs += [CacheSpec(f"oiq-{b}bit", "oiq", bits=b, config=dataclasses.replace(base, k_bits=b, v_bits=b)) for b in oiq_bits]
+    return specs
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+def parse_contexts(text: str) -> list[int]:
+    """``"512,1k,2k"`` -> ``[512, 1024, 2048]``."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        n = int(float(part[:-1]) * 1024) if part.endswith("k") else int(part)
+        if n < 1:
+            raise ValueError(f"context lengths must be positive, got {part!r}")
+        out.append(n)
+    if not out:
+        raise ValueError("no context lengths given")
+    return out
+
+
+def _arrays(obj):
+    """Every mx.array a cache (or list of caches) holds."""
+    if obj is None:
+        return []
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [a for x in obj for a in _arrays(x)]
+    if isinstance(obj, OIQKVCache):
+        return [a for side in (obj.k, obj.v) for a in _side_arrays(side).values()]
+    if isinstance(obj, CacheList):
+        return _arrays(list(obj.caches))
+    return _arrays(getattr(obj, "keys", None)) + _arrays(getattr(obj, "values", None))
+
+
+def _side_arrays(side) -> dict:
+    return {name: a for name, a in vars(side).items() if isinstance(a, mx.array)}
+
+
+def kv_nbytes(cache) -> int:
+    """``nbytes`` summed over the layers of a prompt cache (allocated capacity)."""
+    return int(sum(c.nbytes for c in cache if not c.empty()))  # QuantizedKVCache.nbytes fails when empty
+
+
+def _stats(samples_ms) -> dict:
+    a = np.asarray(samples_ms, dtype=np.float64)
+    return {
+        "median": float(np.median(a)),
+        "p10": float(np.percentile(a, 10)),
+        "p90": float(np.percentile(a, 90)),
+        "mean": float(a.mean()),
+        "n": int(a.size),
+    }
+
+
+def _log(progress, msg):
+    if progress is not None:
+        print(msg, file=progress, flush=True)
+
+
+def environment() -> dict:
+    """Machine, backend and versions, for the JSON record."""
+    import mlx_lm
+
+    from . import __version__
+    from ._platform import openblas_path
+
+    metal = bool(mx.metal.is_available())
+    return {
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+        },
+        "backend": "gpu (metal)" if mx.default_device() == mx.gpu and metal else str(mx.default_device()),
+        "metal_available": metal,
+        "openblas_preloaded": openblas_path,
+        "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "oiq_mlx": __version__, "numpy": np.__version__},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _peak_since(active_before: int) -> int:
+    return int(mx.get_peak_memory()) - active_before
+
+
+def _start_peak() -> int:
+    mx.synchronize()
+    mx.reset_peak_memory()
+    return int(mx.get_active_memory())
+
+
+# -- model mode ------------------------------------------------------------------
+
+
+def prompt_tokens(tokenizer, n: int, text: str | None = None) -> list[int]:
+    """The first ``n`` tokens of ``text`` (default: the vendored Austen excerpt), repeated as needed."""
+    if text is None:
+        from .models import default_text
+
+        text = default_text()
+    ids = list(tokenizer.encode(text))
+    if not ids:
+        raise ValueError("the prompt text encodes to no tokens")
+    while len(ids) < n:
+        ids = ids + ids
+    return ids[:n]
+
+
+def model_max_context(model) -> int | None:
+    args = getattr(model, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
+def _prefill(model, cache, tokens: list[int], chunk: int) -> tuple[float, int]:
+    """Feed ``tokens`` in chunks, evaluating only the cache (as ``mlx_lm.generate``
+    does: no logits for prompt positions).  Returns (seconds, peak bytes over
+    the memory active before the call, this cache's bytes included)."""
+    seconds, peak = 0.0, 0
+    for i in range(0, len(tokens), chunk):
+        held = kv_nbytes(cache)
+        before = _start_peak()
+        t0 = time.perf_counter()
+        model(mx.array(tokens[i : i + chunk])[None], cache=cache)
+        mx.eval(_arrays(cache))
+        seconds += time.perf_counter() - t0
+        peak = max(peak, held + _peak_since(before))
+    return seconds, peak
+
+
+def _decode_step(model, cache, token: int):
+    logits = model(mx.array([[token]]), cache=cache)
+    nxt = mx.argmax(logits[:, -1, :], axis=-1)
+    mx.eval(nxt, _arrays(cache))
+    return nxt
+
+
+def run_model(
+    model,
+    tokenizer,
+    *,
+    contexts,
+    specs,
+    decode_steps: int = 20,
+    warmup: int = 3,
+    prefill_chunk: int = 2048,
+    text: str | None = None,
+    progress=sys.stderr,
+) -> list[dict]:
+    """Prefill + decode benchmark; one record per (context, cache configuration).
+
+    One pass per configuration over one prompt, contexts in increasing order:
+    each cache is prefilled up to the next context length ``n`` (chunks of at
+    most ``prefill_chunk`` tokens that end at the context lengths; only the
+    cache is evaluated, as in ``mlx_lm.generate``), then all configurations
+    run ``warmup + decode_steps`` decode steps, one step each in turn; the
+    last ``decode_steps`` are timed.  A step is a full forward pass of one
+    token, the greedy argmax and evaluating the cache; the token fed is the
+    next prompt token (teacher forcing: same work as free-running decoding,
+    and the cache keeps holding the prompt, so the next context continues
+    from it).  ``prefill_s`` is the prefill time of all ``n`` tokens (sum of
+    chunk times, decode steps excluded); ``prefill_peak_bytes`` the largest
+    per-chunk peak so far.  The last context is shortened when decoding
+    would pass the model's maximum (``prompt_tokens`` says by how much).
+
+    Every byte figure is over the memory active before the measured work:
+    the cache's own ``nbytes`` plus what the step allocated on top.
+    """
+    install()
+    if decode_steps < 1 or warmup < 0:
+        raise ValueError("decode_steps must be >= 1 and warmup >= 0")
+    n_dec = warmup + decode_steps
+    max_ctx = model_max_context(model)
+    stages = []
+    for n in sorted(set(contexts)):
+        n_prompt = n if max_ctx is None else min(n, max_ctx - n_dec)
+        if n_prompt < 1 or (max_ctx is not None and n > max_ctx) or (stages and n_prompt <= stages[-1][1] + n_dec):
+            _log(progress, f"bench: skipping context {n}: the model's maximum is {max_ctx}")
+            continue
+        stages.append((n, n_prompt))
+    if not stages:
+        return []
+    tokens = prompt_tokens(tokenizer, stages[-1][1] + n_dec, text)
+    caches = [spec.make_model_cache(model) for spec in specs]
+    prefill = [[0.0, 0] for _ in specs]
+    fed = 0
+    records = []
+    for n, n_prompt in stages:
+        rows = []
+        for i, (spec, cache) in enumerate(zip(specs, caches)):
+            mx.clear_cache()
+            seconds, peak = _prefill(model, cache, tokens[fed:n_prompt], prefill_chunk)
+            prefill[i][0] += seconds
+            prefill[i][1] = max(prefill[i][1], peak)
+            rows.append({
+                "context": n,
+                "prompt_tokens": n_prompt,
+                "cache": spec.name,
+                **{k: v for k, v in spec.describe().items() if k != "name"},
+                "prefill_s": prefill[i][0],
+                "prefill_tokens_per_s": n_prompt / prefill[i][0],
+                "prefill_peak_bytes": prefill[i][1],
+                "kv_bytes_after_prefill": kv_nbytes(cache),
+                "kv_dtype": _fp_dtype(cache),
+                "decode_ms": [],
+                "decode_peak_bytes": 0,
+            })
+            _log(progress, f"bench: ctx {n} {spec.name}: prefill to {n_prompt} tokens {seconds:.2f} s")
+        for step in range(n_dec):
+            token = tokens[n_prompt + step]
+            for cache, row in zip(caches, rows):
+                held = kv_nbytes(cache)
+                before = _start_peak()
+                t0 = time.perf_counter()
+                _decode_step(model, cache, token)
+                dt = time.perf_counter() - t0
+                if step >= warmup:
+                    row["decode_ms"].append(dt * 1e3)
+                    row["decode_peak_bytes"] = max(row["decode_peak_bytes"], held + _peak_since(before))
+        fed = n_prompt + n_dec
+        for cache, row in zip(caches, rows):
+            row["cache_tokens"] = _offset(cache)
+            row["kv_bytes"] = kv_nbytes(cache)
+            row["kv_layout"] = _layout(cache)
+            row["decode_ms_stats"] = _stats(row["decode_ms"])
+        fp = next((r for r in rows if r["kind"] == "fp"), None)
+        for row in rows:
+            if fp is not None:
+                row["decode_ratio_vs_fp"] = row["decode_ms_stats"]["median"] / fp["decode_ms_stats"]["median"]
+                row["kv_ratio_vs_fp"] = row["kv_bytes"] / fp["kv_bytes"]
+            st = row["decode_ms_stats"]
+            _log(progress, f"bench: ctx {n} {row['cache']}: decode {st['median']:.2f} ms/token "
+                           f"(p10 {st['p10']:.2f}, p90 {st['p90']:.2f}), KV {row['kv_bytes'] / 2**20:.1f} MiB")
+        records.extend(rows)
+    return records
+
+
+def _offset(cache) -> int:
+    return max(int(getattr(c, "offset", 0)) for c in cache)
+
+
+def _fp_dtype(cache):
+    for c in cache:
+        if type(c) is KVCache and c.keys is not None:
+            return str(c.keys.dtype).split(".")[-1]
+        if isinstance(c, OIQKVCache) and c.dtype is not None:
+            return str(c.dtype).split(".")[-1]
+        if isinstance(c, QuantizedKVCache) and c.keys is not None:
+            return str(c.keys[1].dtype).split(".")[-1]
+    return None
+
+
+def _layout(cache) -> list[dict]:
+    """Per layer: the shapes behind ``nbytes``, so a reader can check the byte counts."""
+    out = []
+    for c in cache:
+        if isinstance(c, OIQKVCache):
+            out.append({"type": "OIQKVCache", "arrays": {
+                f"{w}.{name}": list(a.shape) + [str(a.dtype).split(".")[-1]]
+                for w, side in (("k", c.k), ("v", c.v)) for name, a in _side_arrays(side).items()
+            }})
+        else:
+            out.append({"type": type(c).__name__, "arrays": [list(a.shape) + [str(a.dtype).split(".")[-1]] for a in _arrays(c)]})
+    return out
+
+
+# -- attention mode ---------------------------------------------------------------
+
+
+def _attention_call(spec: CacheSpec, cache, fetched, q, scale):
+    if spec.kind == "oiq":
+        return oiq_attention(q, cache, scale=scale, mask=None)
+    keys, values = fetched
+    if spec.kind == "mlx":
+        return quantized_scaled_dot_product_attention(q, keys, values, scale=scale, mask=None,
+                                                      group_size=MLX_GROUP_SIZE, bits=spec.bits)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=None)
+
+
+def attention_bytes_read(spec: CacheSpec, cache) -> int:
+    """Bytes of cached K/V one decode attention step reads (used tokens only,
+    not spare capacity): fp K and V; mlx-lm codes, scales and biases; OIQ
+    codes and scales of the packed segment plus the full-precision sink and
+    window rows (the per-head vectors, signs and means, are left out)."""
+    if spec.kind == "oiq":
+        sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
+        parts = [sink_k, sink_v, recent_k, recent_v] + list(quant or ())
+        return int(sum(a.nbytes for a in parts if a is not None))
+    n = cache.offset
+    arrays = _arrays(cache)
+    return int(sum(a.nbytes // a.shape[2] * n for a in arrays))
+
+
+def run_attention(
+    *,
+    contexts,
+    specs,
+    steps: int = 20,
+    warmup: int = 3,
+    n_q_heads: int = 32,
+    n_kv_heads: int = 8,
+    head_dim: int = 128,
+    dtype=None,
+    fill_chunk: int = 2048,
+    seed: int = 0,
+    progress=sys.stderr,
+) -> list[dict]:
+    """One attention layer at decode, B = 1, synthetic Gaussian q/K/V.
+
+    Each cache is filled to ``n`` tokens, then every step appends one token
+    (``append_ms``: ``update_and_fetch`` and evaluating the cache, i.e. the
+    quantization of the token leaving the window for OIQ) and runs the decode
+    attention of one query (``attention_ms``).  ``dtype`` defaults to float16
+    on Metal and float32 elsewhere (float16 is emulated, slow, on x86).
+    """
+    if dtype is None:
+        dtype = mx.float16 if mx.metal.is_available() and mx.default_device() == mx.gpu else mx.float32
+    scale = head_dim ** -0.5
+    key = mx.random.key(seed)
+    records = []
+    for n in contexts:
+        caches, rows = [], []
+        for spec in specs:
+            cache = spec.make_layer_cache()
+            for i in range(0, n, fill_chunk):
+                m = min(fill_chunk, n - i)
+                k1, k2, key = mx.random.split(key, 3)
+                kv = mx.random.normal((2, 1, n_kv_heads, m, head_dim), key=k1).astype(dtype)
+                cache.update_and_fetch(kv[0], kv[1])
+                mx.eval(_arrays(cache))
+            caches.append(cache)
+            rows.append({
+                "context": n, "cache": spec.name, **{k: v for k, v in spec.describe().items() if k != "name"},
+                "n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+                "dtype": str(dtype).split(".")[-1], "append_ms": [], "attention_ms": [], "bytes_read": [],
+            })
+        _log(progress, f"bench: attention ctx {n}: caches filled")
+        for step in range(warmup + steps):
+            k1, k2, key = mx.random.split(key, 3)
+            kv = mx.random.normal((2, 1, n_kv_heads, 1, head_dim), key=k1).astype(dtype)
+            q = mx.random.normal((1, n_q_heads, 1, head_dim), key=k2).astype(dtype)
+            mx.eval(kv, q)
+            for spec, cache, row in zip(specs, caches, rows):
+                mx.synchronize()
+                t0 = time.perf_counter()
+                fetched = cache.update_and_fetch(kv[0], kv[1])
+                mx.eval(_arrays(cache))
+                t1 = time.perf_counter()
+                out = _attention_call(spec, cache, fetched, q, scale)
+                mx.eval(out)
+                t2 = time.perf_counter()
+                if step >= warmup:
+                    row["append_ms"].append((t1 - t0) * 1e3)
+                    row["attention_ms"].append((t2 - t1) * 1e3)
+                    row["bytes_read"].append(attention_bytes_read(spec, cache))
+        for cache, row in zip(caches, rows):
+            row["append_ms_stats"] = _stats(row["append_ms"])
+            row["attention_ms_stats"] = _stats(row["attention_ms"])
+            row["kv_bytes"] = int(cache.nbytes)
+            med_bytes = float(np.median(row["bytes_read"]))
+            row["bytes_read_per_step"] = int(med_bytes)
+            row["gb_per_s"] = med_bytes / (row["attention_ms_stats"]["median"] * 1e-3) / 1e9
+        fp = next((r for r in rows if r["kind"] == "fp"), None)
+        for row in rows:
+            if fp is not None:
+                row["attention_ratio_vs_fp"] = row["attention_ms_stats"]["median"] / fp["attention_ms_stats"]["median"]
+            _log(progress, f"bench: attention ctx {n} {row['cache']}: append {row['append_ms_stats']['median']:.3f} ms, "
+                           f"attention {row['attention_ms_stats']['median']:.3f} ms, {row['gb_per_s']:.2f} GB/s")
+        records.extend(rows)
+        del caches
+    return records
+
+
+# -- reporting --------------------------------------------------------------------
+
+
+def _mib(b) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def model_table(records: list[dict]) -> str:
+    lines = [
+        "| context | cache | prefill s | decode ms/token median (p10-p90) | decode vs fp | KV MiB | KV vs fp | prefill peak MiB | decode peak MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        s = r["decode_ms_stats"]
+        ratio = f"{r['decode_ratio_vs_fp']:.2f}x" if "decode_ratio_vs_fp" in r else "-"
+        kvr = f"{r['kv_ratio_vs_fp']:.3f}" if "kv_ratio_vs_fp" in r else "-"
+        name = r["cache"] + (f" ({r['kv_dtype']})" if r["kind"] == "fp" and r.get("kv_dtype") else "")
+        lines.append(
+            f"| {r['context']} | {name} | {r['prefill_s']:.2f} | {s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f}) | "
+            f"{ratio} | {_mib(r['kv_bytes'])} | {kvr} | {_mib(r['prefill_peak_bytes'])} | {_mib(r['decode_peak_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
+def attention_table(records: list[dict]) -> str:
+    lines = [
+        "| context | cache | append ms (p10-p90) | attention ms (p10-p90) | vs fp | bytes read/step | GB/s |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in records:
+        a, t = r["append_ms_stats"], r["attention_ms_stats"]
+        ratio = f"{r['attention_ratio_vs_fp']:.2f}x" if "attention_ratio_vs_fp" in r else "-"
+        lines.append(
+            f"| {r['context']} | {r['cache']} | {a['median']:.3f} ({a['p10']:.3f}-{a['p90']:.3f}) | "
+            f"{t['median']:.3f} ({t['p10']:.3f}-{t['p90']:.3f}) | {ratio} | {_mib(r['bytes_read_per_step'])} MiB | {r['gb_per_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def write_plots(result: dict, folder, progress=sys.stderr) -> list[str]:
+    """PNG plots next to the JSON; returns the paths written ([] without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _log(progress, "bench: matplotlib is not installed; no plots written")
+        return []
+    os.makedirs(folder, exist_ok=True)
+    backend = result["environment"]["backend"]
+    written = []
+
+    def plot(records, y, ylabel, title, fname, yscale="linear"):
+        if not records:
+            return
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name in dict.fromkeys(r["cache"] for r in records):
+            rs = [r for r in records if r["cache"] == name]
+            ax.plot([r["context"] for r in rs], [y(r) for r in rs], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale(yscale)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{title} [{backend}]")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = os.path.join(folder, fname)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
+    m, a = result.get("model_runs", []), result.get("attention_runs", [])
+    plot(m, lambda r: r["decode_ms_stats"]["median"], "decode ms/token (median)", "Decode latency", "decode_ms_vs_context.png")
+    plot(m, lambda r: r["kv_bytes"] / 2**20, "KV cache MiB (nbytes)", "KV cache memory", "kv_bytes_vs_context.png", "log")
+    plot(m, lambda r: r["decode_peak_bytes"] / 2**20, "decode peak MiB over model", "Decode peak memory", "decode_peak_vs_context.png", "log")
+    plot(m, lambda r: r["prefill_peak_bytes"] / 2**20, "prefill peak MiB over model", "Prefill peak memory", "prefill_peak_vs_context.png", "log")
+    plot(a, lambda r: r["attention_ms_stats"]["median"], "attention ms/step (median)", "Decode attention, one layer", "attention_ms_vs_context.png", "log")
+    return written
+
+
+def save_json(result: dict, path) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)

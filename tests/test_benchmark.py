@@ -1,0 +1,160 @@
+"""The latency benchmark runs end to end on a tiny random llama and reports
+byte counts that match each cache's storage formula.
+
+Timings are recorded, never asserted: this is not a timed test.
+"""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import oiq_mlx  # noqa: F401  (preloads OpenBLAS before mlx is imported)
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+from oiq_mlx import benchmark as bench
+from oiq_mlx.config import OIQConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+N_LAYERS, N_HEADS, N_KV, HEAD_DIM = 2, 4, 2, 64
+CONTEXTS, STEPS, WARMUP, CHUNK = (40, 300), 3, 1, 128
+STEP = 256  # mlx-lm KVCache / QuantizedKVCache growth step
+
+
+class ByteTokenizer:
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=N_HEADS * HEAD_DIM, num_hidden_layers=N_LAYERS, intermediate_size=256,
+        num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+        vocab_size=256, max_position_embeddings=4096,
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def model_result(tiny_model, tmp_path_factory):
+    specs = bench.default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8))
+    records = bench.run_model(
+        tiny_model, ByteTokenizer(), contexts=CONTEXTS, specs=specs, decode_steps=STEPS, warmup=WARMUP,
+        prefill_chunk=CHUNK, text="It is a truth universally acknowledged. " * 20, progress=None,
+    )
+    path = tmp_path_factory.mktemp("bench") / "out.json"
+    bench.save_json({"environment": bench.environment(), "model_runs": records}, path)
+    return json.loads(path.read_text()), specs
+
+
+def appends(last_context):
+    """Chunk sizes written to every cache, in order, up to the decode steps at
+    ``last_context``: prefill to each context, then single decode steps."""
+    out, fed = [], 0
+    for n in CONTEXTS[: CONTEXTS.index(last_context) + 1]:
+        out += [min(CHUNK, n - i) for i in range(fed, n, CHUNK)] + [1] * (WARMUP + STEPS)
+        fed = n + WARMUP + STEPS
+    return out
+
+
+def mlx_capacity(chunks):
+    """Capacity rule of mlx-lm's KVCache and QuantizedKVCache: on overflow, trim to
+    the used length if it is not a step multiple, then add ceil(L / step) steps."""
+    cap = used = 0
+    for n in chunks:
+        if used + n > cap:
+            cap = (used if used % STEP else cap) + math.ceil(n / STEP) * STEP
+        used += n
+    return cap
+
+
+def oiq_bytes_per_token(dim, bits, group_size):
+    return dim * bits // 8 + 2 * (dim // group_size)
+
+
+def test_records_are_complete(model_result):
+    result, specs = model_result
+    runs = result["model_runs"]
+    assert [(r["context"], r["cache"]) for r in runs] == [(n, s.name) for n in CONTEXTS for s in specs]
+    for r in runs:
+        assert len(r["decode_ms"]) == STEPS and all(t > 0 for t in r["decode_ms"])
+        st = r["decode_ms_stats"]
+        assert st["p10"] <= st["median"] <= st["p90"]
+        assert r["prefill_s"] > 0 and r["prefill_peak_bytes"] > 0 and r["decode_peak_bytes"] >= r["kv_bytes"] > 0
+        assert r["cache_tokens"] == r["context"] + WARMUP + STEPS
+        assert r["kv_dtype"] == "float32"
+    assert result["environment"]["versions"]["mlx"] == mx.__version__
+    fp = [r for r in runs if r["kind"] == "fp"]
+    assert all(r["decode_ratio_vs_fp"] == 1.0 for r in fp)
+
+
+def test_kv_bytes_match_cache_formulas(model_result):
+    result, _ = model_result
+    cfg = OIQConfig()
+    for r in result["model_runs"]:
+        T = r["cache_tokens"]
+        chunks = appends(r["context"])
+        assert sum(chunks) == T
+        cap = mlx_capacity(chunks)
+        if r["kind"] == "fp":
+            per_layer = 2 * N_KV * cap * HEAD_DIM * 4
+        elif r["kind"] == "mlx":
+            words = HEAD_DIM * r["bits"] // 32
+            per_layer = 2 * N_KV * cap * (4 * words + 2 * 4 * HEAD_DIM // 64)
+        else:
+            b = r["bits"]
+            n_q = T - cfg.window - cfg.sink_tokens
+            cap_q = math.ceil(n_q / 256) * 256
+            quant = N_KV * cap_q * 2 * oiq_bytes_per_token(HEAD_DIM, b, cfg.group_size)
+            sink = 2 * N_KV * cfg.sink_tokens * HEAD_DIM * 4
+            mean = N_KV * HEAD_DIM * 4  # keys are centered, values not (defaults)
+            signs = 2 * HEAD_DIM * 4
+            recent_caps = {layer["arrays"]["k.recent"][2] for layer in r["kv_layout"]}
+            assert len(recent_caps) == 1
+            cap_r = recent_caps.pop()
+            assert cap_r % 64 == 0 and cfg.window <= cap_r <= cfg.window + cfg.trim_reserve + 256 + 64
+            per_layer = quant + sink + mean + signs + 2 * N_KV * cap_r * HEAD_DIM * 4
+        assert r["kv_bytes"] == N_LAYERS * per_layer, (r["context"], r["cache"])
+
+
+def test_attention_mode():
+    specs = bench.default_specs(oiq_bits=(4,), mlx_bits=(4,))
+    records = bench.run_attention(contexts=(40, 300), specs=specs, steps=2, warmup=1, n_q_heads=4, n_kv_heads=2,
+                                  head_dim=64, progress=None)
+    assert len(records) == 2 * len(specs)
+    by = {(r["context"], r["cache"]): r for r in records}
+    for n in (40, 300):
+        T = n + 2 + 1  # tokens present at the last timed step
+        assert by[(n, "fp")]["bytes_read"][-1] == 2 * 2 * T * 64 * 4
+        assert by[(n, "mlx-q4")]["bytes_read"][-1] == 2 * 2 * T * (64 * 4 // 8 + 2 * 4)
+        cfg = OIQConfig()
+        n_q = T - cfg.window - cfg.sink_tokens
+        fp_rows = cfg.window + cfg.sink_tokens
+        expected = 2 * n_q * 2 * oiq_bytes_per_token(64, 4, 32) + 2 * 2 * fp_rows * 64 * 4
+        assert by[(n, "oiq-4bit")]["bytes_read"][-1] == expected
+        for r in (by[(n, s.name)] for s in specs):
+            assert r["gb_per_s"] > 0 and len(r["attention_ms"]) == 2 and len(r["append_ms"]) == 2
+
+
+def test_tables_and_contexts(model_result):
+    result, _ = model_result
+    table = bench.model_table(result["model_runs"])
+    assert table.count("\n") == 1 + len(result["model_runs"])
+    assert bench.parse_contexts("512,1k, 2k") == [512, 1024, 2048]
+    with pytest.raises(ValueError):
+        bench.parse_contexts("")
+
+
+def test_script_help():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_latency.py"), "--help"],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    for option in ("--model", "--contexts", "--quick", "--json", "--mode", "--oiq-bits", "--mlx-bits"):
+        assert option in out
