@@ -108,7 +108,8 @@ class CacheSpec:
         else:
             n_full = min(tokens, cfg.sink_tokens) + min(max(tokens - cfg.sink_tokens, 0), cfg.window)
         n_quant = tokens - n_full
-        means = (int(cfg.center_keys) + int(cfg.center_values)) * dim * FP16_BYTES
+        vectors = int(cfg.center_keys) + int(cfg.center_values) + int(bool(getattr(cfg, "key_scaling", 0)))
+        means = vectors * dim * FP16_BYTES
         return (n_quant * asym + n_full * 2 * dim * FP16_BYTES + means) / tokens
 
     def to_dict(self) -> dict:
@@ -140,6 +141,9 @@ def cache_registry() -> dict[str, CacheSpec]:
         specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, OIQConfig(k_bits=b, v_bits=b), f"OIQ {b}-bit g32, defaults (sinks 4, window 32, center keys)"))
     specs.append(CacheSpec("oiq-2-clip", "oiq", 2, 32, OIQConfig(k_bits=2, v_bits=2, clip=True), "OIQ 2-bit g32, defaults + MSE-clipped scales"))
     specs.append(CacheSpec("oiq-8", "oiq", 8, 32, OIQConfig(k_bits=8, v_bits=8), "OIQ 8-bit g32, defaults"))
+    for b in (4, 3):
+        specs.append(CacheSpec(f"oiq-{b}-ks", "oiq", b, 32, OIQConfig(k_bits=b, v_bits=b, key_scaling=0.5),
+                               f"OIQ {b}-bit g32, defaults + key_scaling 0.5"))
     return {s.name: s for s in specs}
 
 
@@ -147,17 +151,47 @@ DEFAULT_CACHES = (
     "fp", "mlx-q8-g64", "mlx-q4-g64", "mlx-q8-g32", "mlx-q4-g32", "absmax-4", "oiq-nosigns-4",
     "oiq-plain-4", "oiq-plain-3", "oiq-plain-2", "oiq-4", "oiq-3", "oiq-2",
 )
-QUICK_NEEDLE_CACHES = ("fp", "mlx-q4-g64", "oiq-4", "oiq-2")
+QUICK_NEEDLE_CACHES = ("fp", "mlx-q4-g64", "oiq-4")
+
+
+def parse_cache(name: str) -> CacheSpec:
+    """A registry name, or a custom OIQ cache written ``oiq[field=value,...]``
+    with :class:`OIQConfig` fields, e.g. ``oiq[k_bits=4,v_bits=3,window=64]``."""
+    reg = cache_registry()
+    if name in reg:
+        return reg[name]
+    m = re.fullmatch(r"oiq\[(.*)\]", name.replace(" ", ""))
+    if m is None:
+        raise ValueError(f"unknown cache {name!r}; known: {', '.join(reg)}, or oiq[field=value,...]")
+    fields = {f.name: f.type for f in dataclasses.fields(OIQConfig)}
+    kw = {}
+    for item in filter(None, m.group(1).split(",")):
+        key, _, value = item.partition("=")
+        if key not in fields:
+            raise ValueError(f"{key!r} is not an OIQConfig field ({', '.join(fields)})")
+        if value in ("True", "False", "true", "false"):
+            kw[key] = value.lower() == "true"
+        else:
+            try:
+                kw[key] = int(value)
+            except ValueError:
+                try:
+                    kw[key] = float(value)
+                except ValueError:
+                    kw[key] = value
+    cfg = OIQConfig(**kw)
+    return CacheSpec(name.replace(" ", ""), "oiq", cfg.k_bits, cfg.group_size, cfg, f"custom OIQ {kw}")
+
+
+def split_cache_list(text: str) -> list[str]:
+    """Split a comma-separated cache list, keeping commas inside ``[...]``."""
+    return [x.strip() for x in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if x.strip()]
 
 
 def select_caches(names) -> list[CacheSpec]:
-    """Specs for ``names`` (iterable of registry names), ``fp`` always first."""
-    reg = cache_registry()
-    unknown = [n for n in names if n not in reg]
-    if unknown:
-        raise ValueError(f"unknown cache(s) {unknown}; known: {', '.join(reg)}")
+    """Specs for ``names`` (registry names or ``oiq[...]``), ``fp`` always first."""
     names = ["fp"] + [n for n in dict.fromkeys(names) if n != "fp"]
-    return [reg[n] for n in names]
+    return [parse_cache(n) for n in names]
 
 
 # ---------------------------------------------------------------- metrics
@@ -314,10 +348,11 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
         for s, c in zip(specs, caches):
             t = time.perf_counter()
             mx.eval(model(prompt, cache=c)[:, -1], _cache_arrays(c))
-            acc[s.name]["seconds"] += time.perf_counter() - t
+            dt = time.perf_counter() - t
+            acc[s.name]["seconds"] += dt
             done_units += 1
-        progress(f"ppl window {w + 1}/{windows}: prefilled {prompt_len} tokens x {len(specs)} caches, "
-                 f"ETA {_eta(done_units, total_units, time.perf_counter() - t0)}")
+            progress(f"ppl window {w + 1}/{windows}: {s.name} prefilled {prompt_len} tokens ({prompt_len / dt:.0f} tok/s); "
+                     f"ETA {_eta(done_units, total_units, time.perf_counter() - t0)}")
         win_nll = {s.name: 0.0 for s in specs}
         for i in range(n_chunks):
             a = prompt_len + i * chunk
@@ -807,7 +842,8 @@ def markdown_table(result: dict) -> str:
     bpt = result["bytes_per_token_head"]
     amort_key = next((k for k in next(iter(bpt.values())) if k.startswith("amortized")), None)
     base = ppl.get("fp", {}).get("ppl")
-    head = ["cache", "B/tok/head", f"B/tok/head @{amort_key.split('_')[-1]}" if amort_key else "", "ppl", "Δppl",
+    head = ["cache", "B/tok/head", f"B/tok/head @{amort_key.split('_')[-1]}" if amort_key else "", "nbytes/tok/head",
+            "ppl", "Δppl",
             "KL (nats)", "top-1", "attn cos", "K rel err", "V rel err", "needle"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for spec in result["caches"]:
@@ -818,6 +854,7 @@ def markdown_table(result: dict) -> str:
             n,
             f"{bpt[n]['asymptotic']:.1f}",
             f"{bpt[n][amort_key]:.1f}" if amort_key else "",
+            f"{p['measured_bytes_per_token_head']:.0f}" if p else "-",
             f"{p['ppl']:.2f}" if p else "-",
             (f"{100 * (p['ppl'] / base - 1):+.1f}%" if p and base else "-"),
             f"{p['kl']:.4f}" if p else "-",
@@ -828,7 +865,12 @@ def markdown_table(result: dict) -> str:
             f"{int(np.sum(g))}/{int(np.size(g))}" if g is not None else "-",
         ]
         rows.append("| " + " | ".join(cells) + " |")
-    lines = rows
+    lines = rows + [
+        "",
+        "B/tok/head: bytes per token per KV head, K+V, every float counted as fp16; asymptotic, and amortized "
+        "at the evaluated length (OIQ sinks, window and means included). nbytes/tok/head: measured allocated "
+        "nbytes (real dtypes, capacity included) / (tokens x layers x KV heads).",
+    ]
     k = result.get("key_outliers")
     if k:
         lines += ["", "| keys | kurtosis | max/median channel | Gini of channel energy |", "|---|---|---|---|"]

@@ -30,7 +30,7 @@ def _floats(text):
 
 
 def _names(text):
-    return tuple(x.strip() for x in text.split(",") if x.strip())
+    return tuple(ev.split_cache_list(text))
 
 
 def main(argv=None):
@@ -49,7 +49,8 @@ def main(argv=None):
                         f"{list(quick.needle_depths)} on {', '.join(quick.needle_caches)}; any option below overrides")
     p.add_argument("--caches", type=_names, default=None,
                    help=f"comma-separated caches to evaluate (fp is always added as the reference). "
-                        f"Default: {','.join(ev.DEFAULT_CACHES)}. Known: {known}")
+                        f"Default: {','.join(ev.DEFAULT_CACHES)}. Known: {known}. A custom OIQ cache is written "
+                        f"oiq[field=value,...] with OIQConfig fields, e.g. 'oiq[k_bits=4,v_bits=3,window=64]'")
     p.add_argument("--prompt-len", type=int, default=None,
                    help=f"tokens prefilled through each cache before scoring (default {full.prompt_len})")
     p.add_argument("--score-len", type=int, default=None,

@@ -154,6 +154,15 @@ def test_select_caches_puts_fp_first_and_rejects_unknown():
         ev.select_caches(["nope"])
 
 
+def test_custom_oiq_cache_names():
+    names = ev.split_cache_list("oiq-4, oiq[k_bits=4,v_bits=3,window=64,clip=true],mlx-q4-g64")
+    assert names == ["oiq-4", "oiq[k_bits=4,v_bits=3,window=64,clip=true]", "mlx-q4-g64"]
+    spec = ev.select_caches(names)[2]
+    assert (spec.oiq.k_bits, spec.oiq.v_bits, spec.oiq.window, spec.oiq.clip) == (4, 3, 64, True)
+    with pytest.raises(ValueError):
+        ev.parse_cache("oiq[nonsense=1]")
+
+
 # ---------------------------------------------------------------- fidelity
 
 
