@@ -22,15 +22,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import dispatch
+from .cache import pad_last
 from .codec import affine_biases
 
 DECODE_MAX_QUERIES = 8
-
-
-def _pad_last(x: mx.array, dim: int) -> mx.array:
-    if x.shape[-1] == dim:
-        return x
-    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
 
 
 def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:
@@ -56,7 +51,7 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         raise ValueError(f"{n_q} query heads cannot share {n_kv} KV heads")
     if sinks is not None and v.mean is not None:
         raise ValueError("attention sinks cannot be combined with center_values=True")
-    q = _pad_last(queries.astype(mx.float32) * scale, k.dim)
+    q = pad_last(queries.astype(mx.float32) * scale, k.dim)
     if k.lam is not None:
         q = (q.reshape(B, n_kv, n_q // n_kv, L, k.dim) * mx.expand_dims(k.lam, 2)).reshape(B, n_q, L, k.dim)
     q = k.rotate(q)

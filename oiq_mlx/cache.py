@@ -34,7 +34,7 @@ def layer_seed(seed: int, layer_idx: int, which: int) -> int:
     return (seed * 1_000_003 + layer_idx) * 2 + which
 
 
-def _pad_last(x: mx.array, dim: int) -> mx.array:
+def pad_last(x: mx.array, dim: int) -> mx.array:
     if x.shape[-1] == dim:
         return x
     return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
@@ -73,20 +73,24 @@ class _Side:
     def unrotate(self, y: mx.array) -> mx.array:
         return unrotate(y, self.signs) if self.rotated else y.astype(mx.float32)
 
-    def to_storage(self, x: mx.array, first: bool) -> mx.array:
+    def to_storage(self, x: mx.array, first: bool, skip: int = 0) -> mx.array:
         """Pad, center, scale per channel and rotate new vectors ``(B, H, L, d)`` (fp32).
 
         On the first chunk the per-channel mean ``m`` and scale ``lam`` are
-        estimated; every vector is stored as ``r((x - m) / lam)`` and ``mean``
+        estimated, from its tokens past the first ``skip`` (the sink tokens,
+        kept in full precision anyway, whose outlying keys and values would
+        pull the mean away from the tokens that get quantized); every vector
+        is stored as ``r((x - m) / lam)`` and ``mean``
         holds ``r(m / lam)`` in the same domain, so that a query scaled by
         ``lam`` and rotated scores ``q . x`` up to the per-query constant
         ``q . m`` (which softmax ignores).
         """
-        x = _pad_last(x, self.dim).astype(mx.float32)
+        x = pad_last(x, self.dim).astype(mx.float32)
         if first:
-            m = mx.mean(x, axis=2, keepdims=True) if self.center else None
+            ref = x[:, :, skip:] if x.shape[2] > skip else x
+            m = mx.mean(ref, axis=2, keepdims=True) if self.center else None
             if self.scale_power > 0:
-                centered = x if m is None else x - m
+                centered = ref if m is None else ref - m
                 rms = mx.sqrt(mx.mean(mx.square(centered), axis=2, keepdims=True))
                 # only channels louder than the head's median are shrunk: quiet
                 # channels are never amplified, and magnitudes only decrease
@@ -174,7 +178,7 @@ class OIQKVCache(_BaseCache):
         if L > n_sink:
             self._reserve_recent(start + L, bh)
         for side, x in ((self.k, keys), (self.v, values)):
-            y = side.to_storage(x, first).astype(self.dtype)
+            y = side.to_storage(x, first, skip=n_sink).astype(self.dtype)
             if side.sink is None:
                 side.sink = mx.zeros((*bh, cfg.sink_tokens, side.dim), self.dtype)
             if n_sink:

@@ -153,7 +153,8 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     return codes.reshape(*packed.shape[:-1], nw // bits * 32)
 
 
-def _check_floating(y) -> mx.array:
+def check_floating(y) -> mx.array:
+    """``y`` if it is a floating-point mx.array with at least one axis, else ValueError."""
     if not isinstance(y, mx.array):
         raise ValueError(f"expected an mx.array, got {type(y).__name__}")
     if not mx.issubdtype(y.dtype, mx.floating):
@@ -190,7 +191,7 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
         ``(codes, scales)``: uint32 ``(..., d * bits / 32)`` and float16
         ``(..., d / group_size)``.
     """
-    y = _check_floating(y)
+    y = check_floating(y)
     bits = check_bits(bits)
     d = y.shape[-1]
     group_size = check_group_size(group_size, d)

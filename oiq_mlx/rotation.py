@@ -32,6 +32,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from .codec import check_floating
+
 HADAMARD_BASES = (1, 12, 20, 28)
 _SYMMETRIC_BASES = (1, 12)
 _MIN_BLOCK = 16
@@ -141,16 +143,6 @@ def _check_signs(signs, dim):
     return signs
 
 
-def _check_input(x) -> mx.array:
-    if not isinstance(x, mx.array):
-        raise ValueError(f"expected an mx.array, got {type(x).__name__}")
-    if not mx.issubdtype(x.dtype, mx.floating):
-        raise ValueError(f"expected a floating-point array (float16, bfloat16, float32), got {x.dtype}")
-    if x.ndim < 1:
-        raise ValueError("expected an array with at least one dimension (the head dimension)")
-    return x
-
-
 def _blocked_hadamard(x: mx.array, block: int, transpose: bool) -> mx.array:
     """Apply the orthonormal block Hadamard (or its transpose) on the last axis, fp32."""
     shape = x.shape
@@ -174,7 +166,7 @@ def rotate(x: mx.array, signs: mx.array) -> mx.array:
     Returns:
         ``(..., d)`` in ``x.dtype``; computed in float32.
     """
-    x = _check_input(x)
+    x = check_floating(x)
     signs = _check_signs(signs, x.shape[-1])
     d = x.shape[-1]
     y = _blocked_hadamard(x.astype(mx.float32) * signs, hadamard_block_size(d), transpose=False)
@@ -183,7 +175,7 @@ def rotate(x: mx.array, signs: mx.array) -> mx.array:
 
 def unrotate(y: mx.array, signs: mx.array) -> mx.array:
     """Exact inverse of :func:`rotate`: ``signs * H^T y / sqrt(b)``. Shapes as in :func:`rotate`."""
-    y = _check_input(y)
+    y = check_floating(y)
     signs = _check_signs(signs, y.shape[-1])
     d = y.shape[-1]
     x = _blocked_hadamard(y.astype(mx.float32), hadamard_block_size(d), transpose=True) * signs

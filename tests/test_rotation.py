@@ -77,7 +77,7 @@ def test_block_sizes():
 
 
 def test_bad_inputs():
-    with pytest.raises(ValueError, match="floating"):
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
         rotate(mx.zeros((2, 64), dtype=mx.int32), random_signs(0, 64))
     with pytest.raises(ValueError, match="length 32 but the vectors have dimension 64"):
         rotate(mx.zeros((2, 64)), random_signs(0, 32))
