@@ -27,6 +27,9 @@ from .config import OIQConfig
 from .rotation import random_signs, rotate, unrotate
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+# Flushes of at most this many rows quantize keys and values in one call
+# (decode); larger ones (prefill) skip the concatenation copy.
+_STACK_MAX_ROWS = 64
 
 
 def layer_seed(seed: int, layer_idx: int, which: int) -> int:
@@ -219,8 +222,7 @@ class OIQKVCache(_BaseCache):
             return
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - cfg.sink_tokens, target - cfg.sink_tokens
-        for side in (self.k, self.v):
-            codes, scales = dispatch.quantize(side.recent[:, :, a:b], side.bits, cfg.group_size, clip=side.clip)
+        for side, (codes, scales) in zip((self.k, self.v), self._quantize_rows(a, b)):
             side.codes = _grow(side.codes, qa, qb, self.step, codes.shape[-1:], mx.uint32, bh)
             side.scales = _grow(side.scales, qa, qb, self.step, scales.shape[-1:], mx.float16, bh)
             side.codes[:, :, qa:qb] = codes
@@ -228,6 +230,22 @@ class OIQKVCache(_BaseCache):
         self.q_end = target
         if self.q_end - cfg.trim_reserve - self.recent_start >= self.step:
             self._compact(self.offset, bh)
+
+    def _quantize_rows(self, a: int, b: int):
+        """``(codes, scales)`` of keys and of values for rows ``[a, b)`` of the window buffers.
+
+        At decode one or two rows leave the window per step, where the cost is
+        the number of ops, not the data: keys and values of the same bits and
+        width then go through one quantize call (it works per token and group,
+        so the result is identical) instead of two.
+        """
+        k, v, cfg = self.k, self.v, self.config
+        if b - a > _STACK_MAX_ROWS or (k.bits, k.dim, k.clip) != (v.bits, v.dim, v.clip):
+            return [dispatch.quantize(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip) for s in (k, v)]
+        n = k.recent.shape[0]
+        rows = mx.concatenate([k.recent[:, :, a:b], v.recent[:, :, a:b]], axis=0)
+        codes, scales = dispatch.quantize(rows, k.bits, cfg.group_size, clip=k.clip)
+        return [(codes[:n], scales[:n]), (codes[n:], scales[n:])]
 
     # -- reading -----------------------------------------------------------
 
