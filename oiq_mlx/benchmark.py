@@ -29,6 +29,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
@@ -38,6 +39,7 @@ from .config import OIQConfig
 from .integration import install, make_oiq_cache
 
 MLX_GROUP_SIZE = 64  # mlx-lm QuantizedKVCache default
+MLX_QUANTIZED_KV_START = 0  # quantize from the first prefill chunk on (mlx_lm's default start is 5000)
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_CONTEXTS = (512, 2048)
 
@@ -56,10 +58,15 @@ class CacheSpec:
     def make_model_cache(self, model) -> list:
         if self.kind == "oiq":
             return make_oiq_cache(model, self.config)
-        cache = make_prompt_cache(model)
+        return make_prompt_cache(model)
+
+    def after_chunk(self, cache: list) -> None:
+        """What ``mlx_lm.generate`` does after each prefill chunk: with
+        ``kv_bits`` set, convert every cache that holds ``quantized_kv_start``
+        (here 0) tokens to ``QuantizedKVCache``, so the first chunk runs in
+        full precision and later chunks and decoding on the quantized cache."""
         if self.kind == "mlx":
-            cache = [_replace_kv(c, lambda: QuantizedKVCache(group_size=MLX_GROUP_SIZE, bits=self.bits)) for c in cache]
-        return cache
+            maybe_quantize_kv_cache(cache, MLX_QUANTIZED_KV_START, MLX_GROUP_SIZE, self.bits)
 
     def make_layer_cache(self):
         if self.kind == "oiq":
@@ -74,15 +81,8 @@ class CacheSpec:
             d["oiq_config"] = dataclasses.asdict(self.config)
         if self.kind == "mlx":
             d["group_size"] = MLX_GROUP_SIZE
+            d["quantized_kv_start"] = MLX_QUANTIZED_KV_START
         return d
-
-
-def _replace_kv(c, factory):
-    if type(c) is KVCache:
-        return factory()
-    if isinstance(c, CacheList):
-        c.caches = tuple(_replace_kv(x, factory) for x in c.caches)
-    return c
 
 
 def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), oiq_config: OIQConfig | None = None, fp: bool = True):
@@ -210,7 +210,7 @@ def model_max_context(model) -> int | None:
     return int(n) if n else None
 
 
-def _prefill(model, cache, tokens: list[int], chunk: int) -> tuple[float, int]:
+def _prefill(model, spec: CacheSpec, cache, tokens: list[int], chunk: int) -> tuple[float, int]:
     """Feed ``tokens`` in chunks, evaluating only the cache (as ``mlx_lm.generate``
     does: no logits for prompt positions).  Returns (seconds, peak bytes over
     the memory active before the call, this cache's bytes included)."""
@@ -220,6 +220,7 @@ def _prefill(model, cache, tokens: list[int], chunk: int) -> tuple[float, int]:
         before = _start_peak()
         t0 = time.perf_counter()
         model(mx.array(tokens[i : i + chunk])[None], cache=cache)
+        spec.after_chunk(cache)
         mx.eval(_arrays(cache))
         seconds += time.perf_counter() - t0
         peak = max(peak, held + _peak_since(before))
@@ -287,7 +288,7 @@ def run_model(
         rows = []
         for i, (spec, cache) in enumerate(zip(specs, caches)):
             mx.clear_cache()
-            seconds, peak = _prefill(model, cache, tokens[fed:n_prompt], prefill_chunk)
+            seconds, peak = _prefill(model, spec, cache, tokens[fed:n_prompt], prefill_chunk)
             prefill[i][0] += seconds
             prefill[i][1] = max(prefill[i][1], peak)
             rows.append({
