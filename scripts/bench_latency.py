@@ -18,6 +18,10 @@ import os
 import sys
 
 
+def _ints(text: str) -> list[int]:
+    return [int(b) for b in text.split(",") if b.strip()]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo",
@@ -53,7 +57,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        import oiq_mlx  # noqa: F401  (preloads OpenBLAS before mlx.core is imported)
+        import oiq_mlx  # first: preloads OpenBLAS before mlx.core is imported
     except ImportError:  # run from a checkout without installing
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import oiq_mlx  # noqa: F401
@@ -69,9 +73,8 @@ def main(argv=None) -> int:
     attn_contexts = bench.parse_contexts(args.attn_contexts) if args.attn_contexts else contexts
     steps = args.decode_steps if args.decode_steps is not None else (20 if args.quick else 32)
     warmup = 2 if args.quick and args.warmup == 3 else args.warmup
-    bits = lambda s: [int(b) for b in s.split(",") if b.strip()]  # noqa: E731
     base = OIQConfig() if args.group_size is None else OIQConfig(group_size=args.group_size)
-    specs = bench.default_specs(bits(args.oiq_bits), bits(args.mlx_bits), base)
+    specs = bench.default_specs(_ints(args.oiq_bits), _ints(args.mlx_bits), base)
 
     result = {"environment": bench.environment(), "command": sys.argv,
               "settings": {"contexts": contexts, "decode_steps": steps, "warmup": warmup,
