@@ -13,6 +13,17 @@ from .rotation import hadamard_block_size
 
 ROTATIONS = ("hadamard", "hadamard_nosigns", "none")
 
+# Chosen by measurement (oiq_mlx.fidelity, scripts/fidelity_sweep.py; README
+# "Fidelity"): perplexity and KL against the full-precision cache on SmolLM2-135M
+# and Gemma 3 270M at equal bytes per token.
+PRESETS = {
+    "4bit": dict(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=32, center_keys=True, key_scaling=0.5),
+    "3bit": dict(k_bits=3, v_bits=3, group_size=32, sink_tokens=4, window=32, center_keys=True, key_scaling=0.5,
+                 clip=True),
+    "2bit": dict(k_bits=2, v_bits=2, group_size=32, sink_tokens=4, window=32, center_keys=True, key_scaling=0.5,
+                 clip=True),
+}
+
 
 def _check_int(name: str, value, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -83,6 +94,29 @@ class OIQConfig:
         for name in ("clip", "center_keys", "center_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "OIQConfig":
+        """A named configuration, fields in ``overrides`` replaced.
+
+        Quantized storage per token per KV head, keys and values together
+        (packed codes + float16 group scales; the full-precision sink and
+        window tokens and the per-layer mean/scale vectors are a fixed cost on
+        top):
+
+        ========  =======  ========  ==================================
+        name      d = 64   d = 128   what
+        ========  =======  ========  ==================================
+        ``4bit``  72       144       K4 V4 g32, key mean + key scaling
+        ``3bit``  56       112       K3 V3 g32, + MSE-clipped scales
+        ``2bit``  40       80        K2 V2 g32, + MSE-clipped scales
+        ========  =======  ========  ==================================
+
+        (fp16 is 256 / 512.)  Raises ``ValueError`` for an unknown name.
+        """
+        if name not in PRESETS:
+            raise ValueError(f"unknown OIQ preset {name!r}; choose one of {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
 
     def storage_dim(self, head_dim: int) -> int:
         """Length of the stored (rotated) vectors for a head of ``head_dim``.

@@ -1,0 +1,204 @@
+"""Fidelity sweeps: OIQ presets and levers against the full-precision cache
+and mlx-lm's quantized cache, at equal bytes per token.
+
+The measurement itself is :func:`oiq_mlx.evaluation.perplexity_eval` (prefill
+a prompt through the cache, then score the continuation fed in chunks through
+the same cache; perplexity, KL(fp || cache), top-1 agreement) and
+:func:`oiq_mlx.evaluation.attention_fidelity` (per-layer attention-output
+cosine).  This module adds:
+
+* :func:`parse_spec`: caches by text, including ``preset:NAME`` and mlx-lm
+  affine caches at any bits (``mlx:BITS[:GROUP]``);
+* :func:`sweep`: one row per cache with the bytes it spends per token and KV
+  head (keys + values; asymptotic, and amortized with the full-precision sinks
+  and window) next to its perplexity change, KL and top-1;
+* :func:`add_key_bias` and :func:`tiny_qwen2`: stand-ins for Qwen2-family keys
+  (a ``k_proj`` bias that puts a few channels at ~25x the median key-channel
+  norm), on a real llama-style model or a random-weight mlx-lm qwen2 model.
+
+``scripts/fidelity_sweep.py`` is the command-line front end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import evaluation
+from .config import OIQConfig
+from .integration import install, model_head_dim
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_spec(text: str) -> evaluation.CacheSpec:
+    """A cache from text: anything :func:`oiq_mlx.evaluation.parse_cache` knows
+    (registry names such as ``fp``, ``mlx-q4-g64``, ``oiq-4``; ``oiq[field=value,...]``),
+    ``mlx:BITS`` / ``mlx:BITS:GROUP`` (mlx-lm affine ``QuantizedKVCache``, group 64
+    by default), or ``preset:NAME`` / ``preset:NAME[field=value,...]`` (an
+    :meth:`OIQConfig.preset` with fields overridden)."""
+    if text.startswith("mlx:"):
+        parts = text.split(":")[1:]
+        bits = int(parts[0])
+        group = int(parts[1]) if len(parts) > 1 else 64
+        return evaluation.CacheSpec(f"mlx-q{bits}-g{group}", "mlx", bits, group,
+                                    description=f"mlx-lm QuantizedKVCache affine {bits}-bit group {group}")
+    if text.startswith("preset:"):
+        rest = text[len("preset:"):].replace(" ", "")
+        name, _, fields = rest.partition("[")
+        cfg = OIQConfig.preset(name)
+        kw = {}
+        for item in filter(None, fields.rstrip("]").split(",")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ValueError(f"cache {text!r}: {item!r} is not field=value")
+            kw[key] = _value(value)
+        cfg = dataclasses.replace(cfg, **kw)
+        return evaluation.CacheSpec(text.replace(" ", ""), "oiq", cfg.k_bits, cfg.group_size, cfg,
+                                    f"OIQConfig.preset({name!r}) {kw or ''}".strip())
+    return evaluation.parse_cache(text)
+
+
+def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, chunk: int = 64,
+          windows: int = 1, progress=None) -> list[dict]:
+    """Perplexity/KL/top-1 of every cache in ``specs`` (``fp`` is added first when
+    missing) on ``tokens``; one dict per cache, fp first: ``name``, ``kind``,
+    ``description``, ``config`` (OIQConfig fields or None), ``bytes_per_token``
+    (asymptotic, K+V per KV head, floats counted as fp16), ``bytes_amortized``
+    (over the evaluated ``prompt_len + score_len`` tokens, sinks/window/means
+    included), ``ppl``, ``ppl_delta`` (relative to fp), ``kl``, ``top1``,
+    ``tokens_per_s``."""
+    install()
+    specs = list(specs)
+    if not specs or specs[0].kind != "fp":
+        specs = [evaluation.parse_cache("fp")] + [s for s in specs if s.kind != "fp"]
+    head_dim = model_head_dim(model)
+    res = evaluation.perplexity_eval(model, tokens, specs, prompt_len=prompt_len, score_len=score_len,
+                                     chunk=chunk, windows=windows, progress=progress)
+    fp_ppl = res[specs[0].name]["ppl"]
+    rows = []
+    n = prompt_len + score_len
+    for s in specs:
+        r = res[s.name]
+        rows.append({
+            "name": s.name,
+            "kind": s.kind,
+            "description": s.description,
+            "config": None if s.oiq is None else dataclasses.asdict(s.oiq),
+            "bytes_per_token": s.bytes_per_token(head_dim),
+            "bytes_amortized": s.bytes_per_token(head_dim, n),
+            "ppl": r["ppl"],
+            "ppl_delta": r["ppl"] / fp_ppl - 1,
+            "kl": r["kl"],
+            "top1": r["top1"],
+            "tokens_per_s": r["tokens_per_s"],
+        })
+    return rows
+
+
+def frontier_table(rows: list[dict]) -> str:
+    """Markdown table of :func:`sweep` rows."""
+    lines = [
+        "| cache | bytes/token/KV head (K+V) | amortized | ppl | vs fp | KL | top-1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['name']} | {r['bytes_per_token']:g} | {r['bytes_amortized']:.1f} | {r['ppl']:.3f} "
+            f"| {100 * r['ppl_delta']:+.2f}% | {r['kl']:.4f} | {100 * r['top1']:.1f}% |"
+        )
+    return "\n".join(lines)
+
+
+# -- Qwen-like keys ----------------------------------------------------------------
+
+
+def low_frequency_channels(head_dim: int, n_pairs: int, traditional: bool = False) -> list[int]:
+    """The key channels of the ``n_pairs`` slowest rotary pairs (a bias there
+    stays nearly constant after RoPE, as Qwen2's large key biases do)."""
+    half = head_dim // 2
+    pairs = range(half - n_pairs, half)
+    if traditional:
+        return sorted(c for i in pairs for c in (2 * i, 2 * i + 1))
+    return sorted(c for i in pairs for c in (i, i + half))
+
+
+def add_key_bias(model, ratio: float = 25.0, n_pairs: int = 2, seed: int = 0) -> list[int]:
+    """Add to every layer's ``self_attn.k_proj`` a bias of ``ratio`` x the median
+    key-channel RMS on the channels of the ``n_pairs`` slowest rotary pairs of
+    every KV head (random sign per channel), in place.  Returns those channels.
+
+    The median channel RMS is measured per layer on a short random-token
+    probe through the unmodified projection.  Qwen2.5-7B's reported key norms
+    (~600 on a few channels vs a median ~22) are a ratio of about 27.
+    """
+    layers = model.layers if hasattr(model, "layers") else model.model.layers
+    args = model.args
+    head_dim = model_head_dim(model)
+    n_kv = args.num_key_value_heads
+    channels = low_frequency_channels(head_dim, n_pairs, bool(getattr(args, "rope_traditional", False)))
+    key = mx.random.key(seed)
+    probe = mx.random.normal((256, args.hidden_size), key=key)
+    for layer in layers:
+        attn = layer.self_attn
+        old = attn.k_proj
+        w = old.weight if not isinstance(old, nn.QuantizedLinear) else None
+        if w is None:
+            raise ValueError("add_key_bias needs dense k_proj weights (load with dequantize=True)")
+        k = layer.input_layernorm(probe) @ w.T
+        rms = mx.sqrt(mx.mean(mx.square(k.reshape(-1, n_kv, head_dim)), axis=0))  # (n_kv, d)
+        median = mx.sort(rms, axis=-1)[:, head_dim // 2]
+        key, sub = mx.random.split(key)
+        signs = mx.where(mx.random.uniform(shape=(n_kv, len(channels)), key=sub) < 0.5, -1.0, 1.0)
+        bias = mx.zeros((n_kv, head_dim))
+        bias[:, mx.array(channels)] = signs * (ratio * median)[:, None]
+        new = nn.Linear(w.shape[1], w.shape[0], bias=True)
+        new.weight = w
+        old_bias = old.bias if "bias" in old else mx.zeros((w.shape[0],), w.dtype)
+        new.bias = (old_bias + bias.reshape(-1)).astype(w.dtype)
+        attn.k_proj = new
+    mx.eval(model.parameters())
+    return channels
+
+
+def tiny_qwen2(head_dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2, layers: int = 2, vocab: int = 256,
+               bias_ratio: float = 25.0, n_pairs: int = 2, sharpen: float = 2.0, seed: int = 0):
+    """A random-weight mlx-lm qwen2 model whose ``k_proj`` biases put the
+    channels of ``n_pairs`` slow rotary pairs at ``bias_ratio`` x the median
+    key-channel RMS (the rest of its biases random and small, as trained).
+    ``sharpen`` multiplies the q/k projections so that attention is peaked,
+    not near-uniform as with a plain random init."""
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(seed)
+    args = qwen2.ModelArgs(
+        model_type="qwen2",
+        hidden_size=head_dim * n_heads,
+        num_hidden_layers=layers,
+        intermediate_size=2 * head_dim * n_heads,
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv_heads,
+        rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    )
+    model = qwen2.Model(args)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.weight = layer.self_attn.q_proj.weight * sharpen
+        layer.self_attn.k_proj.weight = layer.self_attn.k_proj.weight * sharpen
+    mx.eval(model.parameters())
+    add_key_bias(model, ratio=bias_ratio, n_pairs=n_pairs, seed=seed)
+    return model

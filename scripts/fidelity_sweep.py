@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Fidelity frontier: perplexity / KL / top-1 of KV caches against the
+full-precision cache, with the bytes each spends per token (oiq_mlx.fidelity).
+
+Caches: registry names of oiq_mlx.evaluation (fp, mlx-q4-g64, oiq-4, ...),
+oiq[field=value,...], mlx:BITS[:GROUP] (mlx-lm affine QuantizedKVCache),
+preset:NAME or preset:NAME[field=value,...].  The fp reference always runs.
+
+Example (the README frontier, SmolLM2):
+
+    python scripts/fidelity_sweep.py --json fidelity.json \\
+        mlx:8 mlx:4 mlx:3 mlx:2 oiq-plain-4 oiq-plain-3 oiq[k_bits=2,v_bits=2,sink_tokens=0,window=0,center_keys=false,clip=true] \\
+        preset:4bit preset:3bit preset:2bit
+"""
+
+import argparse
+import json
+import sys
+import time
+
+import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
+from oiq_mlx import evaluation, fidelity
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("caches", nargs="*", default=["mlx:4", "oiq-plain-4", "preset:4bit"], help="caches to compare")
+    p.add_argument("--model", default="demo", help="demo (SmolLM2-135M), gemma3 (Gemma 3 270M), a .gguf path or an mlx-lm id")
+    p.add_argument("--key-bias", type=float, default=0.0, metavar="RATIO",
+                   help="Qwen-like stand-in: add a k_proj bias of RATIO x the median key-channel RMS on the "
+                        "two slowest rotary pairs of every KV head (0: off; Qwen2.5-7B is about 27)")
+    p.add_argument("--text", help="plain-text file (default: the vendored Austen excerpt)")
+    p.add_argument("--prompt", type=int, default=256, help="tokens prefilled in one call (default 256)")
+    p.add_argument("--scored", type=int, default=768, help="tokens scored after the prompt (default 768)")
+    p.add_argument("--chunk", type=int, default=64, help="tokens per call after the prompt (default 64)")
+    p.add_argument("--windows", type=int, default=1, help="non-overlapping text windows (default 1)")
+    p.add_argument("--json", metavar="PATH", help="write settings and rows as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    args = p.parse_args(argv)
+
+    specs = [fidelity.parse_spec(c) for c in args.caches]
+    progress = evaluation.Progress(enabled=not args.quiet)
+    t0 = time.perf_counter()
+    model, tokenizer, path = evaluation.load_model(args.model)
+    if args.key_bias:
+        channels = fidelity.add_key_bias(model, ratio=args.key_bias)
+        progress(f"k_proj bias {args.key_bias} x median channel RMS on channels {channels}")
+    tokens = tokenizer.encode(evaluation.load_text(args.text))
+    rows = fidelity.sweep(model, tokens, specs, prompt_len=args.prompt, score_len=args.scored,
+                          chunk=args.chunk, windows=args.windows, progress=progress)
+    print(fidelity.frontier_table(rows))
+    wall = time.perf_counter() - t0
+    progress(f"done in {wall:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": sys.argv, "model": args.model, "path": path, "key_bias": args.key_bias,
+                       "prompt": args.prompt, "scored": args.scored, "chunk": args.chunk, "windows": args.windows,
+                       "environment": evaluation.environment(), "wall_seconds": wall, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
