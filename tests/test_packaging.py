@@ -23,12 +23,3 @@ def test_wheel_contains_metal_sources_and_data(tmp_path):
             assert f"oiq_mlx/metal/{src.name}" in names
     assert "oiq_mlx/data/austen_persuasion.txt" in names
     assert any(n.endswith("entry_points.txt") for n in names)
-
-
-def test_cli_help_lists_every_option():
-    out = subprocess.run(
-        [sys.executable, "-m", "oiq_mlx.cli", "--help"], capture_output=True, text=True, check=True, cwd=ROOT
-    ).stdout
-    for opt in ("--model", "--prompt", "--k-bits", "--v-bits", "--group-size", "--sink-tokens", "--window",
-                "--quantize-after", "--clip", "--temp", "--seed", "--system-prompt", "--no-oiq"):
-        assert opt in out

@@ -1,0 +1,53 @@
+"""oiq-generate, run as a user would (subprocess)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from oiq_mlx import models
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cli(*args, stdin=None):
+    return subprocess.run(
+        [sys.executable, "-m", "oiq_mlx.cli", *args], capture_output=True, text=True, cwd=ROOT, input=stdin
+    )
+
+
+def test_cli_help_lists_every_option():
+    out = _cli("--help").stdout
+    for opt in ("--model", "--prompt", "--k-bits", "--v-bits", "--group-size", "--sink-tokens", "--window",
+                "--quantize-after", "--clip", "--temp", "--seed", "--system-prompt", "--no-oiq"):
+        assert opt in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--k-bits", "7"], "k_bits=7 is not supported"),
+        (["--group-size", "48"], "group_size=48 is not supported"),
+        (["--window", "-1"], "window must be >= 0"),
+        (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--model", "/nonexistent/model.gguf"], "GGUF file not found: /nonexistent/model.gguf"),
+    ],
+)
+def test_bad_options_fail_cleanly(args, message):
+    r = _cli(*args, "--prompt", "hi")
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_generates_from_stdin_and_reports_memory():
+    try:
+        models.demo_model_path(install=False)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    r = _cli("--prompt", "-", "--max-tokens", "8", "--k-bits", "5", "--v-bits", "3", stdin="What is the capital of France?")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "tokens-per-sec" in r.stderr
+    assert "KV cache (OIQ K5V3 g32)" in r.stderr and "at float16" in r.stderr
