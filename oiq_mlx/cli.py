@@ -42,38 +42,53 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     s.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the top token")
     s.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    o = p.add_argument_group("OIQ cache (defaults: see README 'Choosing a configuration')")
-    o.add_argument("--k-bits", type=int, default=4, help="bits per key coordinate: 2, 3, 4, 5, 6 or 8")
-    o.add_argument("--v-bits", type=int, default=4, help="bits per value coordinate: 2, 3, 4, 5, 6 or 8")
-    o.add_argument("--group-size", type=int, default=32, help="coordinates per float16 scale: 32, 64 or 128")
+    o = p.add_argument_group(
+        "OIQ cache",
+        "Start from --preset (or OIQConfig() defaults) and override single fields; "
+        "see README 'Choosing a configuration'.",
+    )
+    o.add_argument("--preset", default=None, help="named configuration: 4bit, 3bit or 2bit (see OIQConfig.preset)")
+    o.add_argument("--k-bits", type=int, default=None, help="bits per key coordinate: 2, 3, 4, 5, 6 or 8")
+    o.add_argument("--v-bits", type=int, default=None, help="bits per value coordinate: 2, 3, 4, 5, 6 or 8")
+    o.add_argument("--group-size", type=int, default=None, help="coordinates per float16 scale: 32, 64 or 128")
     o.add_argument("--sink-tokens", type=int, default=None, help="first tokens kept in full precision")
     o.add_argument("--window", type=int, default=None, help="most recent tokens kept in full precision")
     o.add_argument("--quantize-after", type=int, default=None,
                    help="keep everything in full precision until the cache holds this many tokens")
-    o.add_argument("--clip", action="store_true", help="MSE-optimal clipped group scales (helps at 2-3 bits)")
-    o.add_argument("--no-center-keys", action="store_true", help="do not subtract the per-channel key mean")
-    o.add_argument("--center-values", action="store_true", help="also subtract the per-channel value mean")
-    o.add_argument("--rotation-seed", type=int, default=0, help="seed of the random sign vectors")
+    o.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
+                   help="MSE-optimal clipped group scales instead of abs-max (helps at 2-3 bits)")
+    o.add_argument("--center-keys", action=argparse.BooleanOptionalAction, default=None,
+                   help="subtract the per-channel key mean (exact for attention)")
+    o.add_argument("--center-values", action=argparse.BooleanOptionalAction, default=None,
+                   help="subtract the per-channel value mean (exact for attention)")
+    o.add_argument("--key-scaling", type=float, default=None,
+                   help="exponent of the exact per-channel key scaling, 0 to 1 (0 = off)")
+    o.add_argument("--rotation-seed", type=int, default=None, help="seed of the random sign vectors")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     return p
 
 
 def config_from_args(args):
+    """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced."""
     from .config import OIQConfig
 
-    overrides = {
+    fields = {
         "k_bits": args.k_bits,
         "v_bits": args.v_bits,
         "group_size": args.group_size,
         "seed": args.rotation_seed,
+        "sink_tokens": args.sink_tokens,
+        "window": args.window,
+        "quantize_after": args.quantize_after,
         "clip": args.clip,
-        "center_keys": not args.no_center_keys,
+        "center_keys": args.center_keys,
         "center_values": args.center_values,
+        "key_scaling": args.key_scaling,
     }
-    for name in ("sink_tokens", "window", "quantize_after"):
-        if getattr(args, name) is not None:
-            overrides[name] = getattr(args, name)
+    overrides = {k: v for k, v in fields.items() if v is not None}
+    if args.preset is not None:
+        return OIQConfig.preset(args.preset, **overrides)
     return OIQConfig(**overrides)
 
 
@@ -142,6 +157,8 @@ def main(argv=None) -> int:
     if not args.quiet and response is not None:
         mem = kv_memory(cache)
         label = "full precision" if config is None else f"OIQ K{config.k_bits}V{config.v_bits} g{config.group_size}"
+        if args.preset:
+            label += f", preset {args.preset}"
         print("=" * 10, file=sys.stderr)
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec", file=sys.stderr)
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)

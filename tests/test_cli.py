@@ -19,8 +19,9 @@ def _cli(*args, stdin=None):
 
 def test_cli_help_lists_every_option():
     out = _cli("--help").stdout
-    for opt in ("--model", "--prompt", "--k-bits", "--v-bits", "--group-size", "--sink-tokens", "--window",
-                "--quantize-after", "--clip", "--temp", "--seed", "--system-prompt", "--no-oiq"):
+    for opt in ("--model", "--prompt", "--preset", "--k-bits", "--v-bits", "--group-size", "--sink-tokens", "--window",
+                "--quantize-after", "--clip", "--center-keys", "--no-center-keys", "--key-scaling", "--temp", "--seed",
+                "--system-prompt", "--no-oiq"):
         assert opt in out
 
 
@@ -31,6 +32,7 @@ def test_cli_help_lists_every_option():
         (["--group-size", "48"], "group_size=48 is not supported"),
         (["--window", "-1"], "window must be >= 0"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--preset", "1bit"], "unknown OIQ preset '1bit'"),
         (["--model", "/nonexistent/model.gguf"], "GGUF file not found: /nonexistent/model.gguf"),
     ],
 )
@@ -51,3 +53,15 @@ def test_generates_from_stdin_and_reports_memory():
     assert "Paris" in r.stdout
     assert "tokens-per-sec" in r.stderr
     assert "KV cache (OIQ K5V3 g32)" in r.stderr and "at float16" in r.stderr
+
+
+def test_options_build_the_config():
+    from oiq_mlx import OIQConfig
+    from oiq_mlx.cli import build_parser, config_from_args
+
+    parse = build_parser().parse_args
+    assert config_from_args(parse([])) == OIQConfig()
+    assert config_from_args(parse(["--preset", "3bit"])) == OIQConfig.preset("3bit")
+    cfg = config_from_args(parse(["--preset", "2bit", "--k-bits", "3", "--no-clip", "--window", "0"]))
+    assert cfg == OIQConfig.preset("2bit", k_bits=3, clip=False, window=0)
+    assert config_from_args(parse(["--no-center-keys", "--key-scaling", "0.5"])) == OIQConfig(center_keys=False, key_scaling=0.5)
