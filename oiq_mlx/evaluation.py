@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import platform
 import random
 import re
@@ -151,6 +152,7 @@ DEFAULT_CACHES = (
     "fp", "mlx-q8-g64", "mlx-q4-g64", "mlx-q8-g32", "mlx-q4-g32", "absmax-4", "oiq-nosigns-4",
     "oiq-plain-4", "oiq-plain-3", "oiq-plain-2", "oiq-4", "oiq-3", "oiq-2",
 )
+FULL_NEEDLE_CACHES = ("fp", "mlx-q8-g64", "mlx-q4-g64", "absmax-4", "oiq-4", "oiq-3", "oiq-2")
 QUICK_NEEDLE_CACHES = ("fp", "mlx-q4-g64", "oiq-4")
 
 
@@ -274,7 +276,7 @@ class Progress:
 
 
 def _fmt_s(s: float) -> str:
-    s = max(0, int(round(s)))
+    s = max(0, round(s))
     return f"{s // 60}m{s % 60:02d}s"
 
 
@@ -347,7 +349,8 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
         prompt = mx.array(seq[:prompt_len])[None]
         for s, c in zip(specs, caches):
             t = time.perf_counter()
-            mx.eval(model(prompt, cache=c)[:, -1], _cache_arrays(c))
+            model(prompt, cache=c)  # the logits stay lazy, never computed: only the cache is evaluated
+            mx.eval(_cache_arrays(c))
             dt = time.perf_counter() - t
             acc[s.name]["seconds"] += dt
             done_units += 1
@@ -415,10 +418,9 @@ class NeedlePrompt:
     passkey: str
     length: int
     depth: float
-    needle_start: int
-    """index in ``ids`` of the first needle token"""
-    hay_start: int
-    hay_len: int
+    needle_start: int  # index in ``ids`` of the first needle token
+    hay_start: int  # index of the first filler token
+    hay_len: int  # filler + needle tokens
 
 
 NEEDLE_TEMPLATE = " The pass key is {key}. Remember it. {key} is the pass key."
@@ -590,9 +592,10 @@ def _layer_attention(spec: CacheSpec, layer_cache, rec) -> tuple | None:
         return out, k_hat, v_hat
     if isinstance(layer_cache, QuantizedKVCache):
         qk, qv = layer_cache.update_and_fetch(k, v)
-        out = quantized_scaled_dot_product_attention(q, qk, qv, scale=scale, mask="causal",
+        # a fresh array: mlx-lm scales its queries in place (``queries *= scale``)
+        out = quantized_scaled_dot_product_attention(q * 1.0, qk, qv, scale=scale, mask="causal",
                                                      group_size=layer_cache.group_size, bits=layer_cache.bits)
-        deq = lambda t: mx.dequantize(*t, group_size=layer_cache.group_size, bits=layer_cache.bits)  # noqa: E731
+        deq = lambda t: mx.dequantize(*t, group_size=layer_cache.group_size, bits=layer_cache.bits)
         return out, deq(qk), deq(qv)
     if type(layer_cache) is KVCache and spec.kind == "fp":
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=rec["sinks"]), k, v
@@ -690,9 +693,10 @@ class EvalSettings:
     prompt_len: int = 256
     score_len: int = 768
     chunk: int = 64
-    windows: int = 1
-    needle_caches: tuple | None = None
-    needle_lengths: tuple = (1024, 2048, 4096, 8192)
+    windows: int = 4
+    needle_caches: tuple | None = FULL_NEEDLE_CACHES
+    # 8000, not 8192: the prompt plus the answer stay inside SmolLM2's 8192 positions
+    needle_lengths: tuple = (1024, 2048, 4096, 8000)
     needle_depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
     needle_chat: bool = True
     fidelity_tokens: int = 512
@@ -702,8 +706,10 @@ class EvalSettings:
 
 def quick_settings(**overrides) -> EvalSettings:
     """About 10 minutes on 2 CPU cores with SmolLM2 (see the script's --help)."""
-    base = dict(prompt_len=256, score_len=384, chunk=64, windows=1, needle_caches=QUICK_NEEDLE_CACHES,
-                needle_lengths=(512, 1024), needle_depths=(0.0, 0.5, 1.0), fidelity_tokens=256)
+    base = {
+        "prompt_len": 256, "score_len": 256, "chunk": 64, "windows": 1, "needle_caches": QUICK_NEEDLE_CACHES,
+        "needle_lengths": (512, 1024), "needle_depths": (0.0, 0.5, 1.0), "fidelity_tokens": 256,
+    }
     base.update(overrides)
     return EvalSettings(**base)
 
@@ -736,10 +742,7 @@ def environment() -> dict:
 
     from . import __version__, _platform
 
-    try:
-        metal = bool(mx.metal.is_available())
-    except Exception:
-        metal = False
+    metal = mx.metal.is_available()
     return {
         "oiq_mlx": __version__,
         "mlx": mx.__version__,
@@ -751,7 +754,7 @@ def environment() -> dict:
         "device": str(mx.default_device()),
         "metal": metal,
         "openblas": _platform.openblas_path,
-        "cpu_count": __import__("os").cpu_count(),
+        "cpu_count": os.cpu_count(),
     }
 
 
@@ -779,8 +782,8 @@ def run_evaluation(settings: EvalSettings, *, model=None, tokenizer=None, progre
         "caches": [s.to_dict() for s in specs],
         "bytes_per_token_head": {},
         "notes": [
-            "fp = mlx-lm KVCache at the model dtype; bytes are counted as fp16 (2 bytes per value) for it "
-            "and for every scale/bias/mean/full-precision segment ('fp16-equivalent').",
+            ("fp = mlx-lm KVCache at the model dtype; bytes are counted as fp16 (2 bytes per value) for it "
+             "and for every scale/bias/mean/full-precision segment ('fp16-equivalent')."),
             "mlx-q* caches are quantized from token 0 (generate_step's quantized_kv_start=0).",
             "measured_bytes_per_token_head = sum of nbytes (allocated capacity, real dtypes) / (tokens x KV layers x KV heads).",
         ],
@@ -867,9 +870,9 @@ def markdown_table(result: dict) -> str:
         rows.append("| " + " | ".join(cells) + " |")
     lines = rows + [
         "",
-        "B/tok/head: bytes per token per KV head, K+V, every float counted as fp16; asymptotic, and amortized "
-        "at the evaluated length (OIQ sinks, window and means included). nbytes/tok/head: measured allocated "
-        "nbytes (real dtypes, capacity included) / (tokens x layers x KV heads).",
+        ("B/tok/head: bytes per token per KV head, K+V, every float counted as fp16; asymptotic, and amortized "
+         "at the evaluated length (OIQ sinks, window and means included). nbytes/tok/head: measured allocated "
+         "nbytes (real dtypes, capacity included) / (tokens x layers x KV heads)."),
     ]
     k = result.get("key_outliers")
     if k:

@@ -8,17 +8,18 @@ plain KVCache at the model dtype, and bytes are reported fp16-equivalent.
 
 Quick run (about 10 minutes on 2 idle CPU cores with SmolLM2-135M):
     python scripts/eval_quality.py --quick --json out/quick.json --plots out/
-Full run (hours on CPU, minutes on a Mac GPU):
+Full run: 4 windows of 256 + 768 scored tokens, fidelity on 512 tokens, needle
+at 1k/2k/4k/8000 tokens x 5 depths on 7 caches (hours on CPU, where the 8k
+needle prompts dominate; not timed on a Mac here):
     python scripts/eval_quality.py --json out/full.json --plots out/
 """
 
-import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx loads)
+import argparse
+import json
+import sys
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-
-from oiq_mlx import evaluation as ev  # noqa: E402
+# importing oiq_mlx (first of all MLX users) preloads OpenBLAS on Linux
+from oiq_mlx import evaluation as ev
 
 
 def _ints(text):
@@ -62,7 +63,8 @@ def main(argv=None):
     p.add_argument("--fidelity-tokens", type=int, default=None,
                    help=f"prompt length for attention fidelity and key outlier statistics (default {full.fidelity_tokens})")
     p.add_argument("--needle-caches", type=_names, default=None,
-                   help="caches run in the needle test (default: all of --caches; --quick: a subset)")
+                   help=f"caches run in the needle test, or 'all' for every one of --caches "
+                        f"(default {','.join(ev.FULL_NEEDLE_CACHES)}; --quick: {','.join(ev.QUICK_NEEDLE_CACHES)})")
     p.add_argument("--needle-lengths", type=_ints, default=None,
                    help=f"needle prompt lengths in tokens, comma-separated (default {','.join(map(str, full.needle_lengths))})")
     p.add_argument("--needle-depths", type=_floats, default=None,
@@ -93,6 +95,8 @@ def main(argv=None):
         "skip": args.skip,
         "seed": args.seed,
     }
+    if overrides["needle_caches"] == ("all",):
+        overrides["needle_caches"] = args.caches or ev.DEFAULT_CACHES
     overrides = {k: v for k, v in overrides.items() if v is not None}
     settings = ev.quick_settings(**overrides) if args.quick else ev.EvalSettings(**overrides)
     unknown = set(settings.skip) - {"ppl", "fidelity", "needle"}
