@@ -113,6 +113,17 @@ class CacheSpec:
         means = vectors * dim * FP16_BYTES
         return (n_quant * asym + n_full * 2 * dim * FP16_BYTES + means) / tokens
 
+    def supports(self, head_dim: int) -> str | None:
+        """None when this cache can hold heads of ``head_dim``, else why not."""
+        if self.kind == "mlx" and head_dim % self.group_size:
+            return f"group {self.group_size} does not divide head_dim {head_dim}"
+        if self.kind == "oiq":
+            try:
+                self.oiq.storage_dim(head_dim)
+            except ValueError as e:
+                return str(e)
+        return None
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,
@@ -772,14 +783,28 @@ def run_evaluation(settings: EvalSettings, *, model=None, tokenizer=None, progre
         progress(f"loading model {settings.model}")
         model, tokenizer, model_path = load_model(settings.model)
     install()
-    specs = select_caches(settings.caches)
-    text = load_text(settings.text)
     head_dim = model_head_dim(model)
+    skipped = {}
+
+    def usable(names):
+        keep = []
+        for s in select_caches(names):
+            why = s.supports(head_dim) if head_dim else None
+            if why:
+                skipped[s.name] = why
+                progress(f"skipping {s.name}: {why}")
+            else:
+                keep.append(s)
+        return keep
+
+    specs = usable(settings.caches)
+    text = load_text(settings.text)
     result = {
         "settings": dataclasses.asdict(settings),
         "model": {"name": settings.model, "path": model_path, "args": _model_args(model), "head_dim": head_dim},
         "environment": environment(),
         "caches": [s.to_dict() for s in specs],
+        "skipped_caches": skipped,
         "bytes_per_token_head": {},
         "notes": [
             ("fp = mlx-lm KVCache at the model dtype; bytes are counted as fp16 (2 bytes per value) for it "
@@ -812,7 +837,7 @@ def run_evaluation(settings: EvalSettings, *, model=None, tokenizer=None, progre
                  f"kurtosis {k['before']['kurtosis']:.2f} -> {k['rotated']['kurtosis']:.2f}")
         del records
     if "needle" not in settings.skip:
-        needle_specs = select_caches(settings.needle_caches) if settings.needle_caches else specs
+        needle_specs = usable(settings.needle_caches) if settings.needle_caches else specs
         progress(f"needle: {len(needle_specs)} caches x lengths {list(settings.needle_lengths)} x depths {list(settings.needle_depths)}")
         result["needle"] = needle_eval(model, tokenizer, needle_specs, filler_text=text, lengths=settings.needle_lengths,
                                        depths=settings.needle_depths, chat=settings.needle_chat, seed=settings.seed,
