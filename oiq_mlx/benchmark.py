@@ -253,7 +253,9 @@ def run_model(
     most ``prefill_chunk`` tokens that end at the context lengths; only the
     cache is evaluated, as in ``mlx_lm.generate``), then all configurations
     run ``warmup + decode_steps`` decode steps, one step each in turn; the
-    last ``decode_steps`` are timed.  A step is a full forward pass of one
+    last ``decode_steps`` are timed.  mlx-lm quantized caches instead
+    prefill from scratch at every context (see :meth:`CacheSpec.after_chunk`).
+    A step is a full forward pass of one
     token, the greedy argmax and evaluating the cache; the token fed is the
     next prompt token (teacher forcing: same work as free-running decoding,
     and the cache keeps holding the prompt, so the next context continues
@@ -286,9 +288,16 @@ def run_model(
     records = []
     for n, n_prompt in stages:
         rows = []
-        for i, (spec, cache) in enumerate(zip(specs, caches)):
+        for i, spec in enumerate(specs):
             mx.clear_cache()
-            seconds, peak = _prefill(model, spec, cache, tokens[fed:n_prompt], prefill_chunk)
+            start = fed
+            if spec.kind == "mlx":
+                # mlx_lm.generate prefills the first chunk in full precision and quantizes
+                # after it: continuing a cache quantized at a shorter context would not
+                start, prefill[i] = 0, [0.0, 0]
+                caches[i] = spec.make_model_cache(model)
+            cache = caches[i]
+            seconds, peak = _prefill(model, spec, cache, tokens[start:n_prompt], prefill_chunk)
             prefill[i][0] += seconds
             prefill[i][1] = max(prefill[i][1], peak)
             rows.append({

@@ -55,11 +55,14 @@ def model_result(tiny_model, tmp_path_factory):
     return json.loads(path.read_text()), specs
 
 
-def appends(last_context):
-    """Chunk sizes written to every cache, in order, up to the decode steps at
-    ``last_context``: prefill to each context, then single decode steps."""
+def appends(last_context, kind):
+    """Chunk sizes written to a cache, in order, up to the decode steps at
+    ``last_context``: prefill to each context, then single decode steps;
+    mlx-lm quantized caches start from scratch at each context."""
     out, fed = [], 0
     for n in CONTEXTS[: CONTEXTS.index(last_context) + 1]:
+        if kind == "mlx":
+            out, fed = [], 0
         out += [min(CHUNK, n - i) for i in range(fed, n, CHUNK)] + [1] * (WARMUP + STEPS)
         fed = n + WARMUP + STEPS
     return out
@@ -101,7 +104,7 @@ def test_kv_bytes_match_cache_formulas(model_result):
     cfg = OIQConfig()
     for r in result["model_runs"]:
         T = r["cache_tokens"]
-        chunks = appends(r["context"])
+        chunks = appends(r["context"], r["kind"])
         assert sum(chunks) == T
         cap = mlx_capacity(chunks)
         if r["kind"] == "fp":
