@@ -82,7 +82,7 @@ def bytes_per_token(head_dim: int = 128, bits: int = 4, group_size: int = 32) ->
 
 @functools.lru_cache(maxsize=None)
 def _pack_plan(bits: int):
-    """Index/shift tables packing 32 codes into ``bits`` words (one chunk).
+    """Index/shift tables (built once per bits) packing 32 codes into ``bits`` words (one chunk).
 
     Word ``j`` of a chunk is ``sum_k (c[idx[j,k]] << lsh[j,k]) >> rsh[j,k]``
     (masked by ``use``): a value either starts in word ``j`` (left shift) or
@@ -104,7 +104,7 @@ def _pack_plan(bits: int):
     for j, c in enumerate(contrib):
         for n, (i, ls, rs) in enumerate(c):
             idx[j, n], lsh[j, n], rsh[j, n], use[j, n] = i, ls, rs, 1
-    return idx, lsh, rsh, use
+    return tuple(mx.array(a) for a in (idx, lsh, rsh, use))
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,7 +121,7 @@ def _unpack_plan(bits: int):
             w2[i], sh2[i], hi[i] = w[i] + 1, 32 - sh[i], 1
         else:
             w2[i] = w[i]
-    return w, sh, w2, sh2, hi
+    return tuple(mx.array(a) for a in (w, sh, w2, sh2, hi))
 
 
 def pack_codes(codes: mx.array, bits: int) -> mx.array:
@@ -130,7 +130,7 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     d = codes.shape[-1]
     if d % 32:
         raise ValueError(f"can only pack vectors whose length is a multiple of 32, got {d}")
-    idx, lsh, rsh, use = (mx.array(a) for a in _pack_plan(bits))
+    idx, lsh, rsh, use = _pack_plan(bits)
     c = codes.astype(mx.uint32).reshape(*codes.shape[:-1], d // 32, 32)
     parts = (mx.take(c, idx.reshape(-1), axis=-1).reshape(*c.shape[:-1], *idx.shape) << lsh) >> rsh
     words = mx.sum(parts * use, axis=-1).astype(mx.uint32)
@@ -145,7 +145,7 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     nw = packed.shape[-1]
     if nw % bits:
         raise ValueError(f"{nw} words is not a whole number of {bits}-bit chunks of 32 values")
-    w, sh, w2, sh2, hi = (mx.array(a) for a in _unpack_plan(bits))
+    w, sh, w2, sh2, hi = _unpack_plan(bits)
     p = packed.reshape(*packed.shape[:-1], nw // bits, bits)
     lo = mx.take(p, w, axis=-1) >> sh
     up = (mx.take(p, w2, axis=-1) << sh2) * hi
