@@ -228,7 +228,9 @@ class OIQKVCache(_BaseCache):
             side.codes[:, :, qa:qb] = codes
             side.scales[:, :, qa:qb] = scales
         self.q_end = target
-        if self.q_end - cfg.trim_reserve - self.recent_start >= self.step:
+        # rows older than the trim reserve are dead: drop them once a step of
+        # them accumulates, so full-precision capacity stays near window + reserve
+        if self.q_end - cfg.trim_reserve - self.recent_start >= self.recent_step:
             self._compact(self.offset, bh)
 
     def _quantize_rows(self, a: int, b: int):
