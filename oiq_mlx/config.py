@@ -37,6 +37,10 @@ def _check_int(name: str, value, minimum: int = 0) -> int:
 class OIQConfig:
     """How an OIQ cache stores keys and values.
 
+    The defaults are the measured ``"4bit"`` preset (see :meth:`preset` and the
+    README's fidelity section): K4V4 group 32, 4 sink tokens and a 64-token
+    window in full precision, key mean removed, key scaling 0.5.
+
     Attributes:
         k_bits, v_bits: bits per key / value coordinate: 2, 3, 4, 5, 6 or 8.
         group_size: coordinates sharing one float16 scale: 32, 64 or 128.
@@ -72,14 +76,14 @@ class OIQConfig:
     group_size: int = 32
     seed: int = 0
     sink_tokens: int = 4
-    window: int = 32
+    window: int = 64
     quantize_after: int = 0
     clip: bool = False
     center_keys: bool = True
     center_values: bool = False
     trim_reserve: int = 16
     rotation: str = "hadamard"
-    key_scaling: float = 0.0
+    key_scaling: float = 0.5
 
     def __post_init__(self):
         check_bits(self.k_bits, "k_bits")

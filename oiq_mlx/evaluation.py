@@ -109,7 +109,7 @@ class CacheSpec:
         else:
             n_full = min(tokens, cfg.sink_tokens) + min(max(tokens - cfg.sink_tokens, 0), cfg.window)
         n_quant = tokens - n_full
-        vectors = int(cfg.center_keys) + int(cfg.center_values) + int(bool(getattr(cfg, "key_scaling", 0)))
+        vectors = int(cfg.center_keys) + int(cfg.center_values) + int(bool(cfg.key_scaling))
         means = vectors * dim * FP16_BYTES
         return (n_quant * asym + n_full * 2 * dim * FP16_BYTES + means) / tokens
 
@@ -136,7 +136,7 @@ class CacheSpec:
 
 
 def _plain(bits: int, **kw) -> OIQConfig:
-    return OIQConfig(k_bits=bits, v_bits=bits, sink_tokens=0, window=0, center_keys=False, **kw)
+    return OIQConfig(k_bits=bits, v_bits=bits, sink_tokens=0, window=0, center_keys=False, key_scaling=0.0, **kw)
 
 
 def cache_registry() -> dict[str, CacheSpec]:
@@ -150,12 +150,9 @@ def cache_registry() -> dict[str, CacheSpec]:
     for b in (4, 3, 2):
         specs.append(CacheSpec(f"oiq-plain-{b}", "oiq", b, 32, _plain(b), f"OIQ {b}-bit g32, no sinks/window/centering"))
     for b in (4, 3, 2):
-        specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, OIQConfig(k_bits=b, v_bits=b), f"OIQ {b}-bit g32, defaults (sinks 4, window 32, center keys)"))
-    specs.append(CacheSpec("oiq-2-clip", "oiq", 2, 32, OIQConfig(k_bits=2, v_bits=2, clip=True), "OIQ 2-bit g32, defaults + MSE-clipped scales"))
+        specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, OIQConfig.preset(f"{b}bit"),
+                               f"OIQ preset '{b}bit' (sinks 4, window 64, key mean + scaling{', clip' if b < 4 else ''})"))
     specs.append(CacheSpec("oiq-8", "oiq", 8, 32, OIQConfig(k_bits=8, v_bits=8), "OIQ 8-bit g32, defaults"))
-    for b in (4, 3):
-        specs.append(CacheSpec(f"oiq-{b}-ks", "oiq", b, 32, OIQConfig(k_bits=b, v_bits=b, key_scaling=0.5),
-                               f"OIQ {b}-bit g32, defaults + key_scaling 0.5"))
     return {s.name: s for s in specs}
 
 

@@ -114,17 +114,18 @@ def test_kv_bytes_match_cache_formulas(model_result):
             per_layer = 2 * N_KV * cap * (4 * words + 2 * 4 * HEAD_DIM // 64)
         else:
             b = r["bits"]
-            n_q = T - cfg.window - cfg.sink_tokens
+            n_q = max(0, T - cfg.window - cfg.sink_tokens)
             cap_q = math.ceil(n_q / 256) * 256
             quant = N_KV * cap_q * 2 * oiq_bytes_per_token(HEAD_DIM, b, cfg.group_size)
             sink = 2 * N_KV * cfg.sink_tokens * HEAD_DIM * 4
             mean = N_KV * HEAD_DIM * 4  # keys are centered, values not (defaults)
+            lam = N_KV * HEAD_DIM * 4 if cfg.key_scaling else 0  # per-channel key scales
             signs = 2 * HEAD_DIM * 4
             recent_caps = {layer["arrays"]["k.recent"][2] for layer in r["kv_layout"]}
             assert len(recent_caps) == 1
             cap_r = recent_caps.pop()
-            assert cap_r % 64 == 0 and cfg.window <= cap_r <= cfg.window + cfg.trim_reserve + 256 + 64
-            per_layer = quant + sink + mean + signs + 2 * N_KV * cap_r * HEAD_DIM * 4
+            assert cap_r % 64 == 0 and min(cfg.window, T) <= cap_r <= cfg.window + cfg.trim_reserve + 64 + 64
+            per_layer = quant + sink + mean + lam + signs + 2 * N_KV * cap_r * HEAD_DIM * 4
         assert r["kv_bytes"] == N_LAYERS * per_layer, (r["context"], r["cache"])
 
 
@@ -139,8 +140,8 @@ def test_attention_mode():
         assert by[(n, "fp")]["bytes_read"][-1] == 2 * 2 * T * 64 * 4
         assert by[(n, "mlx-q4")]["bytes_read"][-1] == 2 * 2 * T * (64 * 4 // 8 + 2 * 4)
         cfg = OIQConfig()
-        n_q = T - cfg.window - cfg.sink_tokens
-        fp_rows = cfg.window + cfg.sink_tokens
+        n_q = max(0, T - cfg.window - cfg.sink_tokens)
+        fp_rows = T - n_q
         expected = 2 * n_q * 2 * oiq_bytes_per_token(64, 4, 32) + 2 * 2 * fp_rows * 64 * 4
         assert by[(n, "oiq-4bit")]["bytes_read"][-1] == expected
         for r in (by[(n, s.name)] for s in specs):

@@ -48,7 +48,7 @@ def test_attention_over_stored_kv(cfg, shape):
     across the growth boundary (256) and the sink/window/quantize_after edges."""
     B, n_kv, n_q, d = shape
     cache = OIQKVCache(cfg)
-    chunks = [3, 1, 2, 40, 1, 1, 260, 1, 8, 1]
+    chunks = [3, 1, 2, 40, 1, 1, 300, 1, 8, 1]
     for q, k, v, out in _feed(cache, chunks, B, n_kv, d, n_q):
         kd, vd = cache.dequantized_kv()
         assert kd.shape == k.shape and vd.shape == v.shape
@@ -79,7 +79,7 @@ def test_full_precision_segments_are_exact():
 def test_centering_is_exact(center):
     """Mean removal leaves attention unchanged (fp32, nothing quantized)."""
     base = dict(quantize_after=10**6, sink_tokens=0, window=0)
-    plain = OIQKVCache(OIQConfig(center_keys=False, **base))
+    plain = OIQKVCache(OIQConfig(center_keys=False, key_scaling=0.0, **base))
     centered = OIQKVCache(
         OIQConfig(center_keys=center in ("keys", "both"), center_values=center in ("values", "both"), **base)
     )
@@ -113,7 +113,7 @@ def test_centering_helps_offset_keys():
     k = k + mx.where(mx.arange(64) % 9 == 0, 40.0, 0.0)
     errs = {}
     for center in (False, True):
-        c = OIQKVCache(OIQConfig(center_keys=center, sink_tokens=0, window=0))
+        c = OIQKVCache(OIQConfig(center_keys=center, key_scaling=0.0, sink_tokens=0, window=0))
         c.update_and_fetch(k, k)
         errs[center] = float(mx.mean(mx.square(c.dequantized_kv()[0] - k)))
     assert errs[True] < 0.1 * errs[False]
@@ -132,7 +132,9 @@ def test_decode_and_prefill_paths_agree():
 
 
 def test_nbytes_matches_allocation_and_compression():
-    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=0, window=0, trim_reserve=0, center_keys=False)
+    cfg = OIQConfig(
+        k_bits=4, v_bits=4, group_size=32, sink_tokens=0, window=0, trim_reserve=0, center_keys=False, key_scaling=0.0
+    )
     cache = OIQKVCache(cfg)
     fp = KVCache()
     B, H, d, N = 1, 3, 64, 1024
@@ -153,10 +155,10 @@ def test_nbytes_matches_allocation_and_compression():
     assert fp.nbytes / cache.nbytes >= 3.4, fp.nbytes / cache.nbytes
     # defaults (sinks, window, mean) cost little at long contexts
     default = OIQKVCache(OIQConfig())
-    for _ in range(4):
+    for _ in range(8):
         k = mx.random.normal((B, H, 2048, d)).astype(mx.float16)
         default.update_and_fetch(k, k)
-    assert (8192 * B * H * 2 * d * 2) / default.nbytes >= 3.4
+    assert (16384 * B * H * 2 * d * 2) / default.nbytes >= 3.4
 
 
 @pytest.mark.parametrize(
@@ -329,3 +331,8 @@ def test_attention_sinks_argument(L, center_keys):
     full = mx.concatenate([mx.broadcast_to(sinks.reshape(1, 2, 1, 1), (1, 2, L, 1)), s], axis=-1)
     p = mx.softmax(full, axis=-1)[..., 1:]
     assert float(mx.abs(out - p @ mx.repeat(vd, 2, 1)).max()) < 1e-4
+
+
+def test_defaults_are_the_4bit_preset():
+    assert OIQConfig() == OIQConfig.preset("4bit")
+    assert OIQConfig.preset("2bit", window=0).window == 0

@@ -140,8 +140,8 @@ def test_bytes_per_token():
     assert reg["mlx-q4-g64"].bytes_per_token(64) == 2 * (32 + 4)
     assert reg["oiq-plain-4"].bytes_per_token(64) == 2 * (32 + 4)
     assert reg["oiq-plain-4"].bytes_per_token(64, 1000) == pytest.approx(72)
-    # defaults: 4 sinks + 32 window at fp16, one key mean of 64 fp16 values
-    expected = ((100 - 36) * 72 + 36 * 256 + 128) / 100
+    # preset 4bit: 4 sinks + 64 window at fp16, key mean and key scales (64 fp16 values each)
+    expected = ((100 - 68) * 72 + 68 * 256 + 2 * 128) / 100
     assert reg["oiq-4"].bytes_per_token(64, 100) == pytest.approx(expected)
 
 
