@@ -35,7 +35,7 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_promp
 
 from .attention import oiq_attention
 from .cache import OIQKVCache
-from .config import OIQConfig
+from .config import PRESETS, OIQConfig
 from .integration import install, make_oiq_cache
 
 MLX_GROUP_SIZE = 64  # mlx-lm QuantizedKVCache default
@@ -87,11 +87,19 @@ class CacheSpec:
 
 def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), oiq_config: OIQConfig | None = None, fp: bool = True):
     """fp, then mlx-lm quantized at each of ``mlx_bits``, then OIQ with
-    ``k_bits = v_bits`` at each of ``oiq_bits`` (other fields from ``oiq_config``)."""
-    base = oiq_config if oiq_config is not None else OIQConfig()
+    ``k_bits = v_bits`` at each of ``oiq_bits``: the preset of that name
+    (``OIQConfig.preset("4bit")`` ...) where one exists, else the defaults; with
+    ``oiq_config``, its other fields instead."""
     specs = [CacheSpec("fp", "fp")] if fp else []
     specs += [CacheSpec(f"mlx-q{b}", "mlx", bits=b) for b in mlx_bits]
-    specs += [CacheSpec(f"oiq-{b}bit", "oiq", bits=b, config=dataclasses.replace(base, k_bits=b, v_bits=b)) for b in oiq_bits]
+    for b in oiq_bits:
+        if oiq_config is not None:
+            cfg = dataclasses.replace(oiq_config, k_bits=b, v_bits=b)
+        elif f"{b}bit" in PRESETS:
+            cfg = OIQConfig.preset(f"{b}bit")
+        else:
+            cfg = OIQConfig(k_bits=b, v_bits=b)
+        specs.append(CacheSpec(f"oiq-{b}bit", "oiq", bits=b, config=cfg))
     return specs
 
 

@@ -101,7 +101,6 @@ def test_records_are_complete(model_result):
 
 def test_kv_bytes_match_cache_formulas(model_result):
     result, _ = model_result
-    cfg = OIQConfig()
     for r in result["model_runs"]:
         T = r["cache_tokens"]
         chunks = appends(r["context"], r["kind"])
@@ -114,11 +113,12 @@ def test_kv_bytes_match_cache_formulas(model_result):
             per_layer = 2 * N_KV * cap * (4 * words + 2 * 4 * HEAD_DIM // 64)
         else:
             b = r["bits"]
+            cfg = OIQConfig.preset(f"{b}bit")  # the benchmark's OIQ caches are the presets
             n_q = max(0, T - cfg.window - cfg.sink_tokens)
             cap_q = math.ceil(n_q / 256) * 256
             quant = N_KV * cap_q * 2 * oiq_bytes_per_token(HEAD_DIM, b, cfg.group_size)
             sink = 2 * N_KV * cfg.sink_tokens * HEAD_DIM * 4
-            mean = N_KV * HEAD_DIM * 4  # keys are centered, values not (defaults)
+            mean = (int(cfg.center_keys) + int(cfg.center_values)) * N_KV * HEAD_DIM * 4
             lam = N_KV * HEAD_DIM * 4 if cfg.key_scaling else 0  # per-channel key scales
             signs = 2 * HEAD_DIM * 4
             recent_caps = {layer["arrays"]["k.recent"][2] for layer in r["kv_layout"]}
@@ -162,3 +162,10 @@ def test_script_help():
                          capture_output=True, text=True, check=True, timeout=60).stdout
     for option in ("--model", "--contexts", "--quick", "--json", "--mode", "--oiq-bits", "--mlx-bits"):
         assert option in out
+
+
+def test_oiq_settings_are_the_presets():
+    specs = {s.name: s for s in bench.default_specs(oiq_bits=(4, 3, 2, 8), mlx_bits=())}
+    for b in (4, 3, 2):
+        assert specs[f"oiq-{b}bit"].config == OIQConfig.preset(f"{b}bit")
+    assert specs["oiq-8bit"].config == OIQConfig(k_bits=8, v_bits=8)
