@@ -70,7 +70,7 @@ def test_8bit_matches_full_precision(smollm2, tokens, reference):
 def test_4bit_quality(smollm2, tokens, reference):
     model, _ = smollm2
     kl, agree = _compare(reference, _logprobs(model, tokens, make_oiq_cache(model, OIQConfig())))
-    print(f"OIQ defaults (K4V4): top-1 agreement {agree:.4f}, mean KL {kl:.2e} over {SCORED} positions")
+    print(f"OIQ defaults (4bit preset): top-1 agreement {agree:.4f}, mean KL {kl:.2e} over {SCORED} positions")
     # measured 2026-11-30: see README; the bound guards against regressions
     assert agree >= 0.9 and kl <= 0.05
 
