@@ -6,6 +6,7 @@ Needs an Apple GPU; exits with status 2 and a message elsewhere.
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -14,6 +15,8 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=20, help="timed calls per measurement (median reported)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    if args.json:  # fail (or create the folder) now, not after a long run
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
     import oiq_mlx  # noqa: F401  (platform setup before mlx.core)
     from oiq_mlx.kernels.check import MetalUnavailable, run_all

@@ -16,6 +16,7 @@ needle prompts dominate; not timed on a Mac here):
 
 import argparse
 import json
+import os
 import sys
 
 # importing oiq_mlx (first of all MLX users) preloads OpenBLAS on Linux
@@ -78,6 +79,8 @@ def main(argv=None):
     p.add_argument("--plots", default=None,
                    help="folder for frontier.png and needle.png (needs matplotlib; skipped with a message otherwise)")
     args = p.parse_args(argv)
+    if args.json:  # fail (or create the folder) now, not after a long run
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
     overrides = {
         "model": args.model,

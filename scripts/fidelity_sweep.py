@@ -15,6 +15,7 @@ Example (the README frontier, SmolLM2):
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -37,6 +38,8 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", help="write settings and rows as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
+    if args.json:  # fail (or create the folder) now, not after a long run
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
     specs = [fidelity.parse_spec(c) for c in args.caches]
     progress = evaluation.Progress(enabled=not args.quiet)

@@ -65,3 +65,11 @@ def test_options_build_the_config():
     cfg = config_from_args(parse(["--preset", "2bit", "--k-bits", "3", "--no-clip", "--window", "0"]))
     assert cfg == OIQConfig.preset("2bit", k_bits=3, clip=False, window=0)
     assert config_from_args(parse(["--no-center-keys", "--key-scaling", "0.5"])) == OIQConfig(center_keys=False, key_scaling=0.5)
+
+
+def test_scripts_create_the_json_folder_before_running(tmp_path):
+    target = tmp_path / "new" / "folder" / "out.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_metal.py"), "--json", str(target)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode != 0 and "Metal is not available" in r.stderr  # no Mac here
+    assert target.parent.is_dir()
