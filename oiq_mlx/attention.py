@@ -22,10 +22,10 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import dispatch
+from .dispatch import DECODE_MAX_QUERIES
 from .cache import pad_last
 from .codec import affine_biases
 
-DECODE_MAX_QUERIES = 8
 
 
 def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:

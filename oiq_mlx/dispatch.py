@@ -22,6 +22,7 @@ import mlx.core as mx
 from . import codec, rotation
 from .kernels._source import SUPPORTED_DIMS
 
+# queries per step up to which attention takes the decode path (kernel or reference)
 DECODE_MAX_QUERIES = 8
 
 
