@@ -22,10 +22,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from . import dispatch
-from .dispatch import DECODE_MAX_QUERIES
 from .cache import pad_last
 from .codec import affine_biases
-
+from .dispatch import DECODE_MAX_QUERIES
 
 
 def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:
