@@ -336,3 +336,32 @@ def test_attention_sinks_argument(L, center_keys):
 def test_defaults_are_the_4bit_preset():
     assert OIQConfig() == OIQConfig.preset("4bit")
     assert OIQConfig.preset("2bit", window=0).window == 0
+
+
+def test_seed_and_rotation_options():
+    k = mx.random.normal((1, 2, 40, 64), key=mx.random.key(7))
+    base = dict(sink_tokens=0, window=0, center_keys=False, key_scaling=0.0)
+    caches = {}
+    for name, cfg in {
+        "seed0": OIQConfig(seed=0, **base),
+        "seed1": OIQConfig(seed=1, **base),
+        "nosigns": OIQConfig(rotation="hadamard_nosigns", **base),
+        "none": OIQConfig(rotation="none", **base),
+    }.items():
+        c = OIQKVCache(cfg, layer_idx=3)
+        c.update_and_fetch(k, k)
+        caches[name] = c
+    assert not mx.array_equal(caches["seed0"].k.signs, caches["seed1"].k.signs)
+    assert not mx.array_equal(caches["seed0"].k.codes, caches["seed1"].k.codes)
+    assert mx.array_equal(caches["nosigns"].k.signs, mx.ones((64,)))
+    # rotation="none" is plain group abs-max on the raw vectors
+    from oiq_mlx.codec import quantize
+
+    codes, scales = quantize(k, 4, 32)
+    assert mx.array_equal(caches["none"].k.codes[:, :, :40], codes)
+    assert mx.array_equal(caches["none"].k.scales[:, :, :40], scales)
+    # the signs depend on the layer too, and every layer's keys and values differ
+    other = OIQKVCache(OIQConfig(seed=0, **base), layer_idx=4)
+    other.update_and_fetch(k, k)
+    assert not mx.array_equal(other.k.signs, caches["seed0"].k.signs)
+    assert not mx.array_equal(caches["seed0"].k.signs, caches["seed0"].v.signs)
