@@ -11,7 +11,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, mak
 from oiq_mlx import attention, integration
 from oiq_mlx.attention import oiq_attention
 from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.codec import bytes_per_token
+from oiq_mlx.codec import bytes_per_token, quantize
 from oiq_mlx.config import OIQConfig
 from oiq_mlx.integration import make_oiq_cache
 
@@ -355,8 +355,6 @@ def test_seed_and_rotation_options():
     assert not mx.array_equal(caches["seed0"].k.codes, caches["seed1"].k.codes)
     assert mx.array_equal(caches["nosigns"].k.signs, mx.ones((64,)))
     # rotation="none" is plain group abs-max on the raw vectors
-    from oiq_mlx.codec import quantize
-
     codes, scales = quantize(k, 4, 32)
     assert mx.array_equal(caches["none"].k.codes[:, :, :40], codes)
     assert mx.array_equal(caches["none"].k.scales[:, :, :40], scales)
