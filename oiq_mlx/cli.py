@@ -5,10 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _platform
-
-_platform.preload_openblas()
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
