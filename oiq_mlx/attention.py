@@ -15,6 +15,10 @@ Two reference paths (plain MLX ops), picked by the number of queries:
 * prefill: the packed segment is dequantized for this layer only and
   ``mx.fast.scaled_dot_product_attention`` runs on the rotated K/V, so peak
   memory stays that of the full-precision cache of one layer.
+
+Both read :meth:`OIQKVCache.attention_segments`: the tokens of the current
+call are attended in full precision even when the call already quantized
+some of them (a prompt longer than the window), so prefill is exact.
 """
 
 from __future__ import annotations
@@ -54,13 +58,15 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
     if k.lam is not None:
         q = (q.reshape(B, n_kv, n_q // n_kv, L, k.dim) * mx.expand_dims(k.lam, 2)).reshape(B, n_q, L, k.dim)
     q = k.rotate(q)
-    fused = dispatch.decode_attention_kernel(cache, q, mask, sinks, unrotate=True)
+    segments = cache.attention_segments()
+    cache.release_fresh()
+    fused = dispatch.decode_attention_kernel(cache, q, mask, sinks, unrotate=True, segments=segments)
     if fused is not None:
         return fused[..., : v.head_dim].astype(queries.dtype)
     if L <= DECODE_MAX_QUERIES:
-        out = _decode_reference(q, cache, mask, sinks)
+        out = _decode_reference(q, cache, mask, sinks, segments)
     else:
-        out = _prefill_reference(q, cache, mask, sinks, queries.dtype)
+        out = _prefill_reference(q, cache, mask, sinks, segments)
     if v.mean is not None:
         out = out + mx.repeat(v.mean, n_q // n_kv, axis=1)
     out = v.unrotate(out)[..., : v.head_dim]
@@ -84,11 +90,12 @@ def _gqa_mask(mask, n_kv: int, rep: int, L: int, T: int):
     return mask
 
 
-def _decode_reference(q: mx.array, cache, mask, sinks) -> mx.array:
-    """Few queries: returns rotated outputs ``(B, n_q, L, v_dim)`` (centered)."""
+def _decode_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.array:
+    """Few queries over ``segments`` (default ``cache.attention_segments()``):
+    returns rotated outputs ``(B, n_q, L, v_dim)`` (centered)."""
     B, n_q, L, dq = q.shape
     k, v, gs = cache.k, cache.v, cache.config.group_size
-    sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
+    sink_k, sink_v, quant, recent_k, recent_v = cache.attention_segments() if segments is None else segments
     n_kv = k.sink.shape[1]
     rep = n_q // n_kv
     qg = q.reshape(B, n_kv, rep, L, dq)
@@ -142,10 +149,11 @@ def _decode_reference(q: mx.array, cache, mask, sinks) -> mx.array:
     return out.reshape(B, n_q, L, v.dim)
 
 
-def _prefill_reference(q: mx.array, cache, mask, sinks, dtype) -> mx.array:
-    """Many queries: dequantize this layer's packed segment, fused SDPA."""
+def _prefill_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.array:
+    """Many queries over ``segments`` (default ``cache.attention_segments()``):
+    dequantize this layer's packed segment, fused SDPA."""
     k, v, gs = cache.k, cache.v, cache.config.group_size
-    sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
+    sink_k, sink_v, quant, recent_k, recent_v = cache.attention_segments() if segments is None else segments
     ks_, vs_ = [], []
     if sink_k is not None:
         ks_.append(sink_k), vs_.append(sink_v)

@@ -135,6 +135,9 @@ class OIQKVCache(_BaseCache):
         self.q_end = self.config.sink_tokens
         self.recent_start = self.config.sink_tokens
         self.dtype = None
+        # this call's rotated keys/values in full precision, kept only when some of
+        # them were quantized before attention reads them (see attention_segments)
+        self._fresh = None
         cfg = self.config
         self.k = _Side(cfg.k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
         self.v = _Side(cfg.v_bits, cfg.group_size, cfg.clip, cfg.center_values)
@@ -180,8 +183,10 @@ class OIQKVCache(_BaseCache):
         n_sink = max(0, min(cfg.sink_tokens, start + L) - start)
         if L > n_sink:
             self._reserve_recent(start + L, bh)
+        fresh = []
         for side, x in ((self.k, keys), (self.v, values)):
             y = side.to_storage(x, first, skip=n_sink).astype(self.dtype)
+            fresh.append(y)
             if side.sink is None:
                 side.sink = mx.zeros((*bh, cfg.sink_tokens, side.dim), self.dtype)
             if n_sink:
@@ -191,6 +196,7 @@ class OIQKVCache(_BaseCache):
                 side.recent[:, :, a : a + L - n_sink] = y[:, :, n_sink:]
         self.offset = start + L
         self._flush(bh)
+        self._fresh = (start, *fresh) if self.q_end > max(start, cfg.sink_tokens) else None
         return self, self
 
     def _reserve_recent(self, end: int, bh):
@@ -271,6 +277,36 @@ class OIQKVCache(_BaseCache):
         recent_v = self.v.recent[:, :, a:b] if b > a else None
         return sink_k, sink_v, quant, recent_k, recent_v
 
+    def attention_segments(self):
+        """What attention reads: :meth:`segments`, except that the tokens written
+        by the last ``update_and_fetch`` are always full precision.
+
+        A call that writes more tokens than the window holds (a prompt, a
+        chunk) quantizes some of them before its own queries attend to them.
+        Those queries get the exact keys and values instead, as a
+        full-precision cache would give them: prefill attention is exact, so
+        quantization error never flows into the keys and values of later
+        layers during prefill; it only affects queries of later calls.  The
+        full-precision copy is the call's own input, held until the next
+        write and released by :meth:`release_fresh` once attention has read it.
+        """
+        segs = self.segments()
+        fresh = self._fresh
+        if fresh is None or fresh[0] + fresh[1].shape[2] != self.offset:
+            return segs
+        start, fk, fv = fresh
+        sink_k, sink_v, quant, _, _ = segs
+        cut = max(start, self.config.sink_tokens)  # sinks are stored exactly already
+        n_q = cut - self.config.sink_tokens
+        if quant is not None:
+            quant = tuple(a[:, :, :n_q] for a in quant) if n_q > 0 else None
+        a = cut - start
+        return sink_k, sink_v, quant, fk[:, :, a:], fv[:, :, a:]
+
+    def release_fresh(self):
+        """Drop the full-precision copy of the last write (attention calls this)."""
+        self._fresh = None
+
     def dequantized_kv(self):
         """All keys and values as the attention sees them, un-rotated, float32,
         ``(B, H, offset, d)``.  For evaluation and tests, not for decoding."""
@@ -306,6 +342,7 @@ class OIQKVCache(_BaseCache):
 
     def trim(self, n: int) -> int:
         n = max(0, min(self.offset, int(n)))
+        self._fresh = None
         self.offset -= n
         cfg = self.config
         if self.offset < self.recent_start:

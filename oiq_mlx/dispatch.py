@@ -124,7 +124,7 @@ def _mask_ok(mask, shape) -> bool:
     return mask.ndim <= 4
 
 
-def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate: bool = False):
+def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate: bool = False, segments=None):
     """Fused decode attention over ``cache`` when a kernel serves this call, else None
     (the caller runs the reference path).
 
@@ -133,6 +133,7 @@ def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate
         q_rotated: ``(B, n_q, L, k_dim)`` float32 queries, rotated with the key signs and
             multiplied by the softmax scale; L <= 8.
         mask, sinks: as for ``attention.oiq_attention``.
+        segments: what to attend to (default ``cache.attention_segments()``).
         unrotate: False: return the rotated (centered) output, what
             ``attention._decode_reference`` returns.  True: return the final output, value
             mean added and un-rotated (``v.unrotate(ref + mean)``), still
@@ -164,7 +165,7 @@ def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate
         shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
         sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
     return decode_attention(
-        q_rotated, segments=cache.segments(), k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
+        q_rotated, segments=cache.attention_segments() if segments is None else segments, k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
         mask=mask, sinks=sinks,
         v_mean=v.mean if unrotate else None, v_signs=v.signs if unrotate and v.rotated else None,
     )

@@ -595,6 +595,9 @@ def _layer_attention(spec: CacheSpec, layer_cache, rec) -> tuple | None:
     q, k, v, scale = rec["queries"], rec["keys"], rec["values"], rec["scale"]
     if isinstance(layer_cache, OIQKVCache):
         layer_cache.update_and_fetch(k, v)
+        # score what is stored, as later queries see it: a prompt's own queries
+        # would get its exact keys/values (OIQKVCache.attention_segments)
+        layer_cache.release_fresh()
         out = oiq_attention(q, layer_cache, scale=scale, mask="causal", sinks=rec["sinks"])
         k_hat, v_hat = layer_cache.dequantized_kv()
         return out, k_hat, v_hat
@@ -616,7 +619,8 @@ def attention_fidelity(model, tokens, specs, *, records=None, progress=None) -> 
     The fp queries/keys/values of ``tokens`` (one causal prefill) are
     captured per layer; each cache layer receives the fp keys/values in one
     chunk (as a prompt prefill would write them), and its attention over the
-    same queries is compared with ``mx.fast.scaled_dot_product_attention``
+    same queries, reading the stored (quantized) keys/values as later queries
+    would, is compared with ``mx.fast.scaled_dot_product_attention``
     on the fp keys/values.  Errors therefore do not compound across layers.
 
     Returns ``{name: {"cos_mean", "cos_min_layer", "k_rel_err", "v_rel_err",

@@ -44,15 +44,18 @@ CONFIGS = [
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"k{c.k_bits}v{c.v_bits}s{c.sink_tokens}w{c.window}")
 @pytest.mark.parametrize("shape", [(1, 2, 6, 64), (2, 1, 3, 128), (1, 3, 3, 80)], ids=lambda s: f"B{s[0]}kv{s[1]}q{s[2]}d{s[3]}")
 def test_attention_over_stored_kv(cfg, shape):
-    """Attention equals fp32 attention over exactly what the cache stores,
-    across the growth boundary (256) and the sink/window/quantize_after edges."""
+    """Attention equals fp32 attention over exactly what the cache stores for
+    earlier calls and over the exact keys/values of the current call, across
+    the growth boundary (256) and the sink/window/quantize_after edges."""
     B, n_kv, n_q, d = shape
     cache = OIQKVCache(cfg)
     chunks = [3, 1, 2, 40, 1, 1, 300, 1, 8, 1]
-    for q, k, v, out in _feed(cache, chunks, B, n_kv, d, n_q):
+    for L, (q, k, v, out) in zip(chunks, _feed(cache, chunks, B, n_kv, d, n_q)):
         kd, vd = cache.dequantized_kv()
         assert kd.shape == k.shape and vd.shape == v.shape
-        ref = reference_attention(q, kd, vd, d**-0.5)
+        T = k.shape[2]
+        ref = reference_attention(q, mx.concatenate([kd[:, :, : T - L], k[:, :, T - L :]], 2),
+                                  mx.concatenate([vd[:, :, : T - L], v[:, :, T - L :]], 2), d**-0.5)
         # fp32 throughout; the rotation round trip adds ~1e-6
         assert float(mx.abs(out - ref).max()) < 2e-4
         # and the stored K/V are close to the inputs, by a margin set by the bits
@@ -73,6 +76,38 @@ def test_full_precision_segments_are_exact():
             assert float(mx.abs(a[:, :, :4] - b[:, :, :4]).max()) < 1e-5
             assert float(mx.abs(a[:, :, -8:] - b[:, :, -8:]).max()) < 1e-5
             assert float(mx.abs(a[:, :, 4:-8] - b[:, :, 4:-8]).max()) > 0.05
+
+
+def test_current_call_is_attended_in_full_precision():
+    """A prompt longer than the window is quantized on write, but its own
+    queries attend to its exact keys/values (prefill equals fp attention);
+    the next call sees the stored, quantized version, and the full-precision
+    copy is released once attention has read it."""
+    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=8)
+    B, n_kv, n_q, d, L = 1, 2, 4, 64, 100
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(3), 4)
+    k = mx.random.normal((B, n_kv, L, d), key=k1)
+    v = mx.random.normal((B, n_kv, L, d), key=k2)
+    q = mx.random.normal((B, n_q, L, d), key=k3)
+    for mask_L in (L, 5):  # the prefill and the decode path (the last 5 queries)
+        cache = OIQKVCache(cfg)
+        cache.update_and_fetch(k, v)
+        assert cache.q_end == L - 8  # most of the prompt is already packed
+        assert cache._fresh is not None
+        qq = q[:, :, L - mask_L :]
+        out = oiq_attention(qq, cache, d**-0.5, "causal")
+        assert cache._fresh is None
+        ref = reference_attention(qq, k, v, d**-0.5)
+        assert float(mx.abs(out - ref).max()) < 1e-4
+    # the next step attends to what is stored: 2-bit keys/values, not the exact ones
+    q1 = mx.random.normal((B, n_q, 1, d), key=k4)
+    cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    assert cache._fresh is None  # a one-token write stays inside the window: nothing to keep
+    out = oiq_attention(q1, cache, d**-0.5)
+    kd, vd = cache.dequantized_kv()
+    assert float(mx.abs(out - reference_attention(q1, kd, vd, d**-0.5)).max()) < 1e-4
+    exact = reference_attention(q1, mx.concatenate([k, k[:, :, :1]], 2), mx.concatenate([v, v[:, :, :1]], 2), d**-0.5)
+    assert float(mx.abs(out - exact).max()) > 1e-2
 
 
 @pytest.mark.parametrize("center", ["keys", "values", "both"])
@@ -127,7 +162,7 @@ def test_decode_and_prefill_paths_agree():
     for L in (1, 4, 8):
         q = mx.random.normal((1, 6, L, 64))
         dec = attention._decode_reference(q, cache, "causal", None)
-        pre = attention._prefill_reference(q, cache, "causal", None, mx.float32)
+        pre = attention._prefill_reference(q, cache, "causal", None)
         assert float(mx.abs(dec - pre).max()) < 1e-4
 
 
@@ -321,11 +356,13 @@ def test_attention_sinks_argument(L, center_keys):
     without key centering (which must not shift scores against the sink)."""
     cache = OIQKVCache(OIQConfig(k_bits=8, v_bits=8, window=0, sink_tokens=0, center_keys=center_keys))
     k = mx.random.normal((1, 1, 20, 64)) + 3.0
-    cache.update_and_fetch(k, k)
+    cache.update_and_fetch(k[:, :, :19], k[:, :, :19])
+    cache.update_and_fetch(k[:, :, 19:], k[:, :, 19:])  # this call's token is attended exactly
     q = mx.random.normal((1, 2, L, 64))
     sinks = mx.array([0.5, -1.0])
     out = oiq_attention(q, cache, 0.125, "causal", sinks=sinks)
     kd, vd = cache.dequantized_kv()
+    kd, vd = (mx.concatenate([x[:, :, :19], k[:, :, 19:]], 2) for x in (kd, vd))
     s = (q * 0.125) @ mx.repeat(kd, 2, 1).swapaxes(-1, -2)
     s = mx.where(mx.arange(20 - L, 20)[:, None] >= mx.arange(20)[None], s, -mx.inf)
     full = mx.concatenate([mx.broadcast_to(sinks.reshape(1, 2, 1, 1), (1, 2, L, 1)), s], axis=-1)

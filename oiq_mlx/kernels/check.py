@@ -71,7 +71,7 @@ def check_decode(d: int, bits: int, group_size: int, context: int, n_kv: int, re
     def kernel():
         return decode_attention(q, segments=segs, k_bits=bits, v_bits=bits, group_size=group_size, mask=mask)
 
-    ref = attention._decode_reference(q, cache, mask, None)
+    ref = attention._decode_reference(q, cache, mask, None, segs)
     err = mx.abs(kernel() - ref).max().item()
     kf, vf = k, v
     sdpa_mask = "causal" if L > 1 else None
@@ -79,7 +79,7 @@ def check_decode(d: int, bits: int, group_size: int, context: int, n_kv: int, re
         "op": f"decode attention d={d} {bits}b g{group_size} ctx={context} kv={n_kv} rep={rep} L={L}",
         "max err vs reference": err,
         "kernel ms": _time(kernel, iters),
-        "reference path ms": _time(lambda: attention._decode_reference(q, cache, mask, None), iters),
+        "reference path ms": _time(lambda: attention._decode_reference(q, cache, mask, None, segs), iters),
         "fp16 sdpa ms": _time(lambda: mx.fast.scaled_dot_product_attention(
             queries, kf, vf, scale=d ** -0.5, mask=sdpa_mask), iters),
     }
