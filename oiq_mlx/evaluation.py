@@ -351,6 +351,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
     n_chunks = -(-score_len // chunk)
     total_units = windows * (n_chunks + 1) * len(specs)
     done_units, t0 = 0, time.perf_counter()
+    last_line = t0
     for w in range(windows):
         seq = tokens[w * span : (w + 1) * span]
         caches = [s.make_cache(model) for s in specs]
@@ -393,8 +394,11 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
                 win_nll[s.name] += nll.item()
                 rates.append(f"{s.name} {(b - a) / dt:.0f}")
                 done_units += 1
-            progress(f"ppl window {w + 1}/{windows} chunk {i + 1}/{n_chunks}: tok/s {', '.join(rates)}; "
-                     f"ETA {_eta(done_units, total_units, time.perf_counter() - t0)}")
+            now = time.perf_counter()
+            if now - last_line >= 5 or i == n_chunks - 1:  # one line per ~5 s at most (chunks of 1 are fast)
+                last_line = now
+                progress(f"ppl window {w + 1}/{windows} chunk {i + 1}/{n_chunks}: tok/s {', '.join(rates)}; "
+                         f"ETA {_eta(done_units, total_units, now - t0)}")
         for s, c in zip(specs, caches):
             acc[s.name]["win_nll"].append(math.exp(win_nll[s.name] / score_len))
             acc[s.name]["bytes"].append(measured_bytes_per_token(c, span - 1))

@@ -71,7 +71,7 @@ def parse_spec(text: str) -> evaluation.CacheSpec:
     return evaluation.parse_cache(text)
 
 
-def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, chunk: int = 64,
+def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, chunk: int = 1,
           windows: int = 1, progress=None) -> list[dict]:
     """Perplexity/KL/top-1 of every cache in ``specs`` (``fp`` is added first when
     missing) on ``tokens``; one dict per cache, fp first: ``name``, ``kind``,
