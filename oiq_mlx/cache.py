@@ -12,6 +12,9 @@ rotated mean), so attention works in one domain: the query is rotated once,
 the output un-rotated once (``attention.py``).  The full-precision buffer also
 keeps ``trim_reserve`` tokens that were already quantized, so ``trim`` of up to
 that many tokens restores the exact state a cache that never saw them has.
+Attention reads :meth:`OIQKVCache.attention_segments`, in which the tokens of
+the current ``update_and_fetch`` are full precision even when the call (a
+prompt longer than the window) already quantized them.
 """
 
 from __future__ import annotations
