@@ -142,8 +142,9 @@ class OIQKVCache(_BaseCache):
         # them were quantized before attention reads them (see attention_segments)
         self._fresh = None
         cfg = self.config
-        self.k = _Side(cfg.k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
-        self.v = _Side(cfg.v_bits, cfg.group_size, cfg.clip, cfg.center_values)
+        k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
+        self.k = _Side(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
+        self.v = _Side(v_bits, cfg.group_size, cfg.clip, cfg.center_values)
 
     # -- writing -----------------------------------------------------------
 

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--key-scaling", type=float, default=None,
                    help="exponent of the exact per-channel key scaling, 0 to 1 (0 = off)")
     o.add_argument("--rotation-seed", type=int, default=None, help="seed of the random sign vectors")
+    o.add_argument("--layer-bits", default=None, metavar="L:K:V,...",
+                   help="per-layer bits, e.g. 3:3:3,8:3:3 stores layers 3 and 8 at K3V3 (the rest per "
+                        "--k-bits/--v-bits)")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     return p
@@ -81,6 +84,7 @@ def config_from_args(args):
         "center_keys": args.center_keys,
         "center_values": args.center_values,
         "key_scaling": args.key_scaling,
+        "layer_bits": args.layer_bits,
     }
     overrides = {k: v for k, v in fields.items() if v is not None}
     if args.preset is not None:
@@ -143,7 +147,11 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"oiq-generate: error: {e}", file=sys.stderr)
         return 2
-    cache = make_prompt_cache(model) if config is None else make_oiq_cache(model, config)
+    try:  # the config against this model: head dimension, layer_bits layers
+        cache = make_prompt_cache(model) if config is None else make_oiq_cache(model, config)
+    except ValueError as e:
+        print(f"oiq-generate: error: {e}", file=sys.stderr)
+        return 2
     text = _format_prompt(tokenizer, args, prompt)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     response = None
@@ -153,6 +161,8 @@ def main(argv=None) -> int:
     if not args.quiet and response is not None:
         mem = kv_memory(cache)
         label = "full precision" if config is None else f"OIQ K{config.k_bits}V{config.v_bits} g{config.group_size}"
+        if config is not None and config.layer_bits:
+            label += ", layers " + ",".join(f"{i}:K{kb}V{vb}" for i, kb, vb in config.layer_bits)
         if args.preset:
             label += f", preset {args.preset}"
         print("=" * 10, file=sys.stderr)

@@ -25,6 +25,35 @@ PRESETS = {
 }
 
 
+def _parse_layer_bits(value) -> tuple:
+    """``layer_bits`` as a sorted tuple of ``(layer, k_bits, v_bits)`` int triples,
+    from such triples or from the text ``"layer:k:v;layer:k:v"`` (``,`` also separates)."""
+    if isinstance(value, str):
+        items = [t for t in value.replace(",", ";").split(";") if t.strip()]
+        triples = []
+        for t in items:
+            parts = t.strip().split(":")
+            if len(parts) != 3:
+                raise ValueError(f"layer_bits entry {t.strip()!r} is not layer:k_bits:v_bits")
+            try:
+                triples.append(tuple(int(x) for x in parts))
+            except ValueError:
+                raise ValueError(f"layer_bits entry {t.strip()!r} is not layer:k_bits:v_bits") from None
+        value = triples
+    if not isinstance(value, (tuple, list)):
+        raise ValueError(f"layer_bits must be (layer, k_bits, v_bits) triples, got {value!r}")
+    out = []
+    for entry in value:
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+            raise ValueError(f"layer_bits entry {entry!r} is not (layer, k_bits, v_bits)")
+        layer = _check_int("layer_bits layer", entry[0])
+        out.append((layer, check_bits(entry[1], f"layer {layer} k_bits"), check_bits(entry[2], f"layer {layer} v_bits")))
+    layers = [t[0] for t in out]
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"layer_bits names a layer twice: {sorted(layers)}")
+    return tuple(sorted(out))
+
+
 def _check_int(name: str, value, minimum: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -69,6 +98,11 @@ class OIQConfig:
         trim_reserve: full-precision copies of this many tokens beyond the
             window are kept so that ``trim`` (speculative decoding) restores
             the exact never-generated state.
+        layer_bits: per-layer bit allocation: ``((layer, k_bits, v_bits), ...)``
+            (or the text ``"layer:k:v;layer:k:v"``); those layers store keys and
+            values at these bits instead of ``k_bits``/``v_bits``.  ``layer`` is
+            the index in the model's cache list (the decoder layer).  Use it to
+            give the layers whose attention suffers most more bits.
     """
 
     k_bits: int = 4
@@ -84,6 +118,7 @@ class OIQConfig:
     trim_reserve: int = 16
     rotation: str = "hadamard"
     key_scaling: float = 0.5
+    layer_bits: tuple = ()
 
     def __post_init__(self):
         check_bits(self.k_bits, "k_bits")
@@ -98,6 +133,14 @@ class OIQConfig:
         for name in ("clip", "center_keys", "center_values"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        object.__setattr__(self, "layer_bits", _parse_layer_bits(self.layer_bits))
+
+    def bits_for_layer(self, layer: int) -> tuple[int, int]:
+        """``(k_bits, v_bits)`` of cache layer ``layer`` (``layer_bits`` applied)."""
+        for idx, kb, vb in self.layer_bits:
+            if idx == layer:
+                return kb, vb
+        return self.k_bits, self.v_bits
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "OIQConfig":
@@ -136,11 +179,21 @@ class OIQConfig:
             hadamard_block_size(dim)
         return dim
 
-    def bytes_per_token(self, head_dim: int) -> float:
-        """Bytes of quantized storage per token per KV head, keys and values together."""
+    def bytes_per_token(self, head_dim: int, layers=None) -> float:
+        """Bytes of quantized storage per token per KV head, keys and values together.
+
+        With ``layer_bits``, the mean over ``layers`` (the cache indices of the
+        layers that use OIQ), which must then be given.
+        """
         d = self.storage_dim(head_dim)
         scales = 2 * 2 * (d // self.group_size)
-        return d * (self.k_bits + self.v_bits) / 8 + scales
+        if not self.layer_bits:
+            return d * (self.k_bits + self.v_bits) / 8 + scales
+        if not layers:
+            raise ValueError("with layer_bits, bytes_per_token needs the OIQ layer indices (layers=...)")
+        layers = list(layers)
+        bits = [sum(self.bits_for_layer(i)) for i in layers]
+        return d * sum(bits) / len(layers) / 8 + scales
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

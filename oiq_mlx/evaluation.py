@@ -44,7 +44,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from .attention import oiq_attention
 from .cache import OIQKVCache, layer_seed
 from .config import OIQConfig
-from .integration import install, make_oiq_cache, model_head_dim
+from .integration import install, make_oiq_cache, model_head_dim, oiq_layer_indices
 from .rotation import random_signs, rotate
 
 FP16_BYTES = 2
@@ -86,13 +86,15 @@ class CacheSpec:
                 return make_oiq_cache(model, self.oiq)
         raise ValueError(f"unknown cache kind {self.kind!r}")
 
-    def bytes_per_token(self, head_dim: int, tokens: int | None = None) -> float:
+    def bytes_per_token(self, head_dim: int, tokens: int | None = None, layers=None) -> float:
         """Bytes per token per KV head, keys and values together, counting
         every float as fp16 (2 bytes).
 
         ``tokens=None``: asymptotic (the quantized segment only).  With
         ``tokens``: amortized over a sequence of that length, i.e. OIQ's sink
         and window tokens at full precision and its per-layer means included.
+        ``layers``: the model's OIQ layer indices, needed (and averaged over)
+        when the config has ``layer_bits``.
         """
         if self.kind == "fp":
             return 2 * head_dim * FP16_BYTES
@@ -100,7 +102,7 @@ class CacheSpec:
             groups = -(-head_dim // self.group_size)
             return 2 * (head_dim * self.bits / 8 + 2 * groups * FP16_BYTES)
         cfg = self.oiq
-        asym = cfg.bytes_per_token(head_dim)
+        asym = cfg.bytes_per_token(head_dim, layers)
         if tokens is None:
             return asym
         dim = cfg.storage_dim(head_dim)
@@ -326,7 +328,7 @@ def measured_bytes_per_token(cache, tokens: int) -> float:
     return total / (units * tokens) if units and tokens else 0.0
 
 
-def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, chunk: int = 64,
+def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, chunk: int = 1,
                     windows: int = 1, progress=None) -> dict:
     """Perplexity, KL and top-1 agreement through each cache.
 
@@ -708,7 +710,10 @@ class EvalSettings:
     caches: tuple = DEFAULT_CACHES
     prompt_len: int = 256
     score_len: int = 768
-    chunk: int = 64
+    # one scored token per call, through the decode path, as generation runs; a
+    # chunk of C lets its queries attend to the chunk's own tokens exactly
+    # (OIQKVCache.attention_segments), which flatters windows smaller than C
+    chunk: int = 1
     windows: int = 4
     needle_caches: tuple | None = FULL_NEEDLE_CACHES
     # 8000, not 8192: the prompt plus the answer stay inside SmolLM2's 8192 positions
@@ -723,7 +728,7 @@ class EvalSettings:
 def quick_settings(**overrides) -> EvalSettings:
     """About 10 minutes on 2 CPU cores with SmolLM2 (see the script's --help)."""
     base = {
-        "prompt_len": 256, "score_len": 256, "chunk": 64, "windows": 1, "needle_caches": QUICK_NEEDLE_CACHES,
+        "prompt_len": 256, "score_len": 256, "chunk": 1, "windows": 1, "needle_caches": QUICK_NEEDLE_CACHES,
         "needle_lengths": (512, 1024), "needle_depths": (0.0, 0.5, 1.0), "fidelity_tokens": 256,
     }
     base.update(overrides)
@@ -819,10 +824,11 @@ def run_evaluation(settings: EvalSettings, *, model=None, tokenizer=None, progre
         ],
     }
     n_tokens = settings.prompt_len + settings.score_len
+    layers = oiq_layer_indices(model)
     for s in specs:
         result["bytes_per_token_head"][s.name] = {
-            "asymptotic": s.bytes_per_token(head_dim),
-            f"amortized_at_{n_tokens}": s.bytes_per_token(head_dim, n_tokens),
+            "asymptotic": s.bytes_per_token(head_dim, layers=layers),
+            f"amortized_at_{n_tokens}": s.bytes_per_token(head_dim, n_tokens, layers),
         }
     tokens = tokenizer.encode(text)
     result["text"] = {"source": settings.text or "oiq_mlx default_text (Austen, Persuasion)", "tokens": len(tokens)}

@@ -28,7 +28,7 @@ import mlx.nn as nn
 
 from . import evaluation
 from .config import OIQConfig
-from .integration import install, model_head_dim
+from .integration import install, model_head_dim, oiq_layer_indices
 
 
 def _value(text: str):
@@ -85,6 +85,7 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     if not specs or specs[0].kind != "fp":
         specs = [evaluation.parse_cache("fp")] + [s for s in specs if s.kind != "fp"]
     head_dim = model_head_dim(model)
+    layers = oiq_layer_indices(model)
     res = evaluation.perplexity_eval(model, tokens, specs, prompt_len=prompt_len, score_len=score_len,
                                      chunk=chunk, windows=windows, progress=progress)
     fp_ppl = res[specs[0].name]["ppl"]
@@ -97,8 +98,8 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
             "kind": s.kind,
             "description": s.description,
             "config": None if s.oiq is None else dataclasses.asdict(s.oiq),
-            "bytes_per_token": s.bytes_per_token(head_dim),
-            "bytes_amortized": s.bytes_per_token(head_dim, n),
+            "bytes_per_token": s.bytes_per_token(head_dim, layers=layers),
+            "bytes_amortized": s.bytes_per_token(head_dim, n, layers),
             "ppl": r["ppl"],
             "ppl_delta": r["ppl"] / fp_ppl - 1,
             "kl": r["kl"],

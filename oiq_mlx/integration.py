@@ -101,7 +101,32 @@ def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = Fa
         print(f"oiq_mlx: {n_oiq} layers use OIQKVCache", file=sys.stderr)
     if n_oiq == 0:
         raise ValueError("this model has no full-attention KVCache layers for OIQ to replace")
+    if config.layer_bits:
+        oiq_layers = set(oiq_layer_indices(model))
+        stray = [t[0] for t in config.layer_bits if t[0] not in oiq_layers]
+        if stray:
+            raise ValueError(f"layer_bits names layers {stray} that do not use OIQ in this model "
+                             f"(its OIQ layers: {sorted(oiq_layers)})")
     return cache
+
+
+def oiq_layer_indices(model) -> list[int]:
+    """Layer indices (as ``OIQKVCache.layer_idx`` and ``OIQConfig.layer_bits``
+    count them) of the caches :func:`make_oiq_cache` turns into OIQ."""
+    out, counter = [], iter(range(10**9))
+
+    def walk(c):
+        if isinstance(c, CacheList):
+            for x in c.caches:
+                walk(x)
+            return
+        i = next(counter)
+        if type(c) is KVCache:
+            out.append(i)
+
+    for c in make_prompt_cache(model):
+        walk(c)
+    return out
 
 
 def _fp16_equivalent(c) -> int:

@@ -58,7 +58,8 @@ def main(argv=None):
     p.add_argument("--score-len", type=int, default=None,
                    help=f"continuation tokens scored through each cache per window (default {full.score_len})")
     p.add_argument("--chunk", type=int, default=None,
-                   help=f"scored tokens fed per forward pass (default {full.chunk})")
+                   help=f"scored tokens fed per forward pass (default {full.chunk}: one decode step per token, as in "
+                        "generation; larger chunks are faster but attend to their own tokens exactly)")
     p.add_argument("--windows", type=int, default=None,
                    help=f"non-overlapping text windows averaged (default {full.windows})")
     p.add_argument("--fidelity-tokens", type=int, default=None,

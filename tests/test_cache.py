@@ -207,6 +207,10 @@ def test_nbytes_matches_allocation_and_compression():
         (dict(rotation="random"), "rotation='random'"),
         (dict(clip="yes"), "clip must be True or False"),
         (dict(key_scaling=2.0), "key_scaling must be a number in"),
+        (dict(layer_bits="3:3"), "is not layer:k_bits:v_bits"),
+        (dict(layer_bits="3:7:3"), "layer 3 k_bits=7 is not supported"),
+        (dict(layer_bits=((1, 3, 3), (1, 4, 4))), "names a layer twice"),
+        (dict(layer_bits=((-1, 3, 3),)), "layer_bits layer must be >= 0"),
     ],
 )
 def test_bad_config(kwargs, match):
@@ -255,6 +259,35 @@ def test_generation_matches_full_precision_at_8_bits():
     toks_fp = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, prompt_cache=make_prompt_cache(model))]
     toks_oiq = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, prompt_cache=make_oiq_cache(model, cfg))]
     assert toks_fp == toks_oiq
+
+
+def test_per_layer_bits():
+    """layer_bits gives single layers other bits: their storage, their bytes and
+    their error follow, the rest keep the base bits; text and triples agree,
+    the config survives JSON, and layers the model lacks are refused."""
+    cfg = OIQConfig(k_bits=2, v_bits=2, window=0, sink_tokens=0, layer_bits="1:8:6")
+    assert cfg == OIQConfig(k_bits=2, v_bits=2, window=0, sink_tokens=0, layer_bits=[[1, 8, 6]])
+    assert OIQConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.bits_for_layer(0) == (2, 2) and cfg.bits_for_layer(1) == (8, 6)
+    assert cfg.bytes_per_token(64, layers=[0, 1]) == (64 * 4 / 8 + 64 * 14 / 8) / 2 + 8
+    with pytest.raises(ValueError, match="needs the OIQ layer indices"):
+        cfg.bytes_per_token(64)
+    model = tiny_llama(layers=2)
+    cache = make_oiq_cache(model, cfg)
+    assert [(c.k.bits, c.v.bits) for c in cache] == [(2, 2), (8, 6)]
+    _logits(model, list(range(40)), cache)
+    k = mx.random.normal((1, 2, 40, 64), key=mx.random.key(0))
+    errs = []
+    for c in cache:
+        c2 = OIQKVCache(cfg, layer_idx=c.layer_idx)
+        c2.update_and_fetch(k, k)
+        errs.append(float(mx.mean(mx.square(c2.dequantized_kv()[0] - k))))
+        assert (c.k.codes.shape[-1], c.v.codes.shape[-1]) == (64 * c.k.bits // 32, 64 * c.v.bits // 32)
+    assert errs[1] < errs[0] / 100
+    # group 32 at d = 64: 2 + 2 bits -> 16 + 16 bytes of codes + 8 of scales; 8 + 6 bits -> 112 + 8
+    assert cache[1].quantized_nbytes_formula() / cache[0].quantized_nbytes_formula() == 120 / 40
+    with pytest.raises(ValueError, match=r"layer_bits names layers \[5\]"):
+        make_oiq_cache(model, OIQConfig(layer_bits="5:3:3"))
 
 
 def test_save_load_round_trip(tmp_path):

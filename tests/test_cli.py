@@ -21,7 +21,7 @@ def test_cli_help_lists_every_option():
     out = _cli("--help").stdout
     for opt in ("--model", "--prompt", "--preset", "--k-bits", "--v-bits", "--group-size", "--sink-tokens", "--window",
                 "--quantize-after", "--clip", "--center-keys", "--no-center-keys", "--key-scaling", "--temp", "--seed",
-                "--system-prompt", "--no-oiq"):
+                "--system-prompt", "--no-oiq", "--layer-bits"):
         assert opt in out
 
 
@@ -33,6 +33,8 @@ def test_cli_help_lists_every_option():
         (["--window", "-1"], "window must be >= 0"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
         (["--preset", "1bit"], "unknown OIQ preset '1bit'"),
+        (["--layer-bits", "3:3"], "layer_bits entry '3:3' is not layer:k_bits:v_bits"),
+        (["--layer-bits", "99:3:3"], "layer_bits names layers [99] that do not use OIQ in this model"),
         (["--model", "/nonexistent/model.gguf"], "GGUF file not found: /nonexistent/model.gguf"),
     ],
 )
@@ -65,6 +67,8 @@ def test_options_build_the_config():
     cfg = config_from_args(parse(["--preset", "2bit", "--k-bits", "3", "--no-clip", "--window", "0"]))
     assert cfg == OIQConfig.preset("2bit", k_bits=3, clip=False, window=0)
     assert config_from_args(parse(["--no-center-keys", "--key-scaling", "0.5"])) == OIQConfig(center_keys=False, key_scaling=0.5)
+    cfg = config_from_args(parse(["--preset", "2bit", "--layer-bits", "4:3:3,8:4:3"]))
+    assert cfg == OIQConfig.preset("2bit", layer_bits=((4, 3, 3), (8, 4, 3)))
 
 
 def test_scripts_create_the_json_folder_before_running(tmp_path):

@@ -249,7 +249,7 @@ def test_script_help():
 
 @pytest.mark.slow
 def test_smoke_real_model():
-    settings = ev.quick_settings(caches=("oiq-4",), prompt_len=64, score_len=128, fidelity_tokens=64,
+    settings = ev.quick_settings(caches=("oiq-4",), prompt_len=64, score_len=128, chunk=16, fidelity_tokens=64,
                                  needle_caches=("fp",), needle_lengths=(200,), needle_depths=(0.5,))
     res = ev.run_evaluation(settings, progress=ev.Progress(enabled=False))
     ppl = res["perplexity"]
