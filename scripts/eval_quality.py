@@ -6,7 +6,7 @@ Thin front end over ``oiq_mlx.evaluation``.  On the CPU backend the model runs
 in fp32 (the GGUF loader dequantizes weights); the "fp" reference is mlx-lm's
 plain KVCache at the model dtype, and bytes are reported fp16-equivalent.
 
-Quick run (about 10 minutes on 2 idle CPU cores with SmolLM2-135M):
+Quick run (about 13 minutes on 2 idle CPU cores with SmolLM2-135M):
     python scripts/eval_quality.py --quick --json out/quick.json --plots out/
 Full run: 4 windows of 256 + 768 scored tokens, fidelity on 512 tokens, needle
 at 1k/2k/4k/8000 tokens x 5 depths on 7 caches (hours on CPU, where the 8k
