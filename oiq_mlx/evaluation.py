@@ -726,7 +726,7 @@ class EvalSettings:
 
 
 def quick_settings(**overrides) -> EvalSettings:
-    """About 10 minutes on 2 CPU cores with SmolLM2 (see the script's --help)."""
+    """About 13 minutes on 2 CPU cores with SmolLM2 (see the script's --help)."""
     base = {
         "prompt_len": 256, "score_len": 256, "chunk": 1, "windows": 1, "needle_caches": QUICK_NEEDLE_CACHES,
         "needle_lengths": (512, 1024), "needle_depths": (0.0, 0.5, 1.0), "fidelity_tokens": 256,

@@ -102,7 +102,7 @@ def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = Fa
     if n_oiq == 0:
         raise ValueError("this model has no full-attention KVCache layers for OIQ to replace")
     if config.layer_bits:
-        oiq_layers = set(oiq_layer_indices(model))
+        oiq_layers = {c.layer_idx for c in _leaves(cache) if isinstance(c, OIQKVCache)}
         stray = [t[0] for t in config.layer_bits if t[0] not in oiq_layers]
         if stray:
             raise ValueError(f"layer_bits names layers {stray} that do not use OIQ in this model "
@@ -110,23 +110,20 @@ def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = Fa
     return cache
 
 
+def _leaves(caches):
+    """Every cache in ``caches`` with ``CacheList`` members flattened, in the
+    order :func:`make_oiq_cache` numbers them (``OIQKVCache.layer_idx``)."""
+    for c in caches:
+        if isinstance(c, CacheList):
+            yield from _leaves(c.caches)
+        else:
+            yield c
+
+
 def oiq_layer_indices(model) -> list[int]:
     """Layer indices (as ``OIQKVCache.layer_idx`` and ``OIQConfig.layer_bits``
     count them) of the caches :func:`make_oiq_cache` turns into OIQ."""
-    out, counter = [], iter(range(10**9))
-
-    def walk(c):
-        if isinstance(c, CacheList):
-            for x in c.caches:
-                walk(x)
-            return
-        i = next(counter)
-        if type(c) is KVCache:
-            out.append(i)
-
-    for c in make_prompt_cache(model):
-        walk(c)
-    return out
+    return [i for i, c in enumerate(_leaves(make_prompt_cache(model))) if type(c) is KVCache]
 
 
 def _fp16_equivalent(c) -> int:

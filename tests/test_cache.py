@@ -354,6 +354,11 @@ def test_sliding_window_layers_keep_rotating_cache():
         cache = make_oiq_cache(model, OIQConfig(k_bits=8, v_bits=8))
     assert [type(c) for c in cache] == [RotatingKVCache, RotatingKVCache, OIQKVCache]
     assert any("2 x RotatingKVCache" in str(x.message) for x in w)
+    assert integration.oiq_layer_indices(model) == [cache[2].layer_idx] == [2]
+    with warnings.catch_warnings(), pytest.raises(ValueError, match=r"layer_bits names layers \[0\] that do not use "
+                                                                  r"OIQ in this model \(its OIQ layers: \[2\]\)"):
+        warnings.simplefilter("ignore")
+        make_oiq_cache(model, OIQConfig(layer_bits="0:3:3"))
     prompt = mx.array(list(range(2, 42)))  # longer than the window
     fp = [int(t) for t, _ in generate_step(prompt, model, max_tokens=10, prompt_cache=make_prompt_cache(model))]
     oq = [int(t) for t, _ in generate_step(prompt, model, max_tokens=10, prompt_cache=cache)]
