@@ -582,6 +582,7 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
     s, offset = cfg.sink_tokens, meta["offset"]
     n_sink, n_q, n_rec = min(s, offset), max(0, meta["q_end"] - s), max(0, offset - meta["recent_start"])
     bits = cfg.bits_for_layer(layer)
+    versioned = "format" in meta
     for which, (side, arrays) in enumerate(zip(("keys", "values"), sides)):
         head_dim, dim = meta["head_dims"][which], meta["dims"][which]
         try:
@@ -591,29 +592,49 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
         if dim != storage:
             raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dim {head_dim}")
 
-        def check(name, a, want_dtype, want_shape, min_rows=None):
-            """``a`` must have ``want_dtype`` and ``want_shape``; with min_rows, axis 2 may hold more rows."""
+        def check(name, a, want_dtype, want_shape, rows=None):
+            """``a`` must have ``want_dtype`` and ``want_shape`` (axis 2 any of ``rows`` when given)."""
             ok = isinstance(a, mx.array) and a.dtype == want_dtype and a.ndim == len(want_shape)
-            if ok and min_rows is not None:
-                ok = a.shape[2] >= min_rows and a.shape[:2] + a.shape[3:] == want_shape[:2] + want_shape[3:]
+            if ok and a.ndim == 4 and tuple(a.shape[:2]) != bh:
+                raise _refuse(f"{side} {name}", f"has (B, n_kv_heads) = {tuple(a.shape[:2])} where keys sink "
+                                                f"has {bh}")
+            if ok and rows is not None:
+                ok = a.shape[2] in rows and a.shape[3:] == want_shape[3:]
             elif ok:
                 ok = tuple(a.shape) == want_shape
             if not ok:
-                rows = "" if min_rows is None else f" (at least {min_rows} rows on axis 2)"
-                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want_dtype} {want_shape}{rows}")
+                want = f"{want_dtype} {want_shape}"
+                if rows is not None and len(rows) > 1:
+                    want += f" (or {sorted(rows)} rows on axis 2)"
+                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want}")
 
-        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), min_rows=n_sink)
-        if arrays["sink"].shape[2] > s:
-            raise _refuse(f"{side} sink", f"holds {arrays['sink'].shape[2]} rows, more than sink_tokens={s}")
-        if n_rec:
-            check("recent", arrays["recent"], dtype, (*bh, n_rec, dim), min_rows=n_rec)
+        def check_rows(name, n):
+            """A per-token array holding ``n`` rows (absent or empty when n is 0)."""
+            a = arrays[name]
+            if n or a is not None:
+                width = {"codes": dim * bits[which] // 32, "scales": dim // cfg.group_size}.get(name, dim)
+                want_dtype = {"codes": mx.uint32, "scales": mx.float16}.get(name, dtype)
+                check(name, a, want_dtype, (*bh, n, width), rows={n})
+
+        # oiq_mlx 0.1.0 saved the sink buffer at full size, and an arbitrary slice of an
+        # emptied full-precision buffer; those rows are never read
+        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {n_sink, s})
+        if n_rec or versioned:
+            check_rows("recent", n_rec)
+        check_rows("codes", n_q)
+        check_rows("scales", n_q)
         if n_q:
-            check("codes", arrays["codes"], mx.uint32, (*bh, n_q, dim * bits[which] // 32), min_rows=n_q)
-            check("scales", arrays["scales"], mx.float16, (*bh, n_q, dim // cfg.group_size), min_rows=n_q)
-            scales = arrays["scales"][:, :, :n_q]
-            # NaN marks a group that held non-finite input; nothing writes a negative or infinite scale
+            scales = arrays["scales"]
+            # nothing writes a negative or infinite scale; NaN (a group that held
+            # non-finite input) and 0 (an all-zero group) are written with codes 0
             if mx.any(mx.logical_or(scales < 0, mx.isinf(scales))).item():
                 raise _refuse(f"{side} scales", "hold negative or infinite values")
+            codes = arrays["codes"]
+            words = codes.reshape(*codes.shape[:3], dim // cfg.group_size, -1)
+            codeless = mx.logical_not(scales > 0)[..., None]
+            if mx.any(mx.logical_and(codeless, words != 0)).item():
+                raise _refuse(f"{side} scales", "are 0 or NaN for groups whose codes are not 0 (a group is "
+                                                "stored with scale 0 or NaN only with codes 0)")
         check("signs", arrays["signs"], mx.float32, (dim,))
         if not mx.array_equal(arrays["signs"], expected_signs(cfg, layer, which, dim)).item():
             raise _refuse(f"{side} signs", f"are not the sign vector of layer {layer} under rotation="
