@@ -15,6 +15,19 @@ that many tokens restores the exact state a cache that never saw them has.
 Attention reads :meth:`OIQKVCache.attention_segments`, in which the tokens of
 the current ``update_and_fetch`` are full precision even when the call (a
 prompt longer than the window) already quantized them.
+
+Cache files: :attr:`OIQKVCache.state` (what ``save_prompt_cache`` writes)
+carries a format version and a digest of its metadata; :meth:`from_state`
+refuses, naming the field, a state whose arrays do not have exactly the
+shapes, dtypes and row counts the config and counters imply, whose counters
+contradict each other, whose sign vectors are not the config's, whose means or
+key scales are non-finite (or scales below 1), whose group scales are negative,
+infinite or 0/NaN over non-zero codes, or whose metadata does not match its
+digest.  Token data (codes, full-precision rows, means) may hold any value, so
+an edit of those values that keeps every shape (one head's codes copied over
+another's) is not detected: there is no checksum of the array data, which
+would cost a pass over the cache every prefill step (mlx-lm evaluates
+``cache.state`` there).
 """
 
 from __future__ import annotations
@@ -139,7 +152,6 @@ class _Side:
             self.lam = mx.power(mx.maximum(rms, median) / median, self.scale_power)
         if m is not None:
             self.mean = self.rotate(m if self.lam is None else m / self.lam)
-
 
     def nbytes(self) -> int:
         arrays = (self.codes, self.scales, self.sink, self.recent, self.mean, self.signs, self.lam)
@@ -573,7 +585,8 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
     dtype, layer = _DTYPES[meta["dtype"]], meta["layer_idx"]
     for name in ("head_dims", "dims"):
         x = meta[name]
-        if not isinstance(x, list) or len(x) != 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in x):
+        positive = [not isinstance(d, bool) and isinstance(d, int) and d >= 1 for d in x] if isinstance(x, list) else []
+        if len(positive) != 2 or not all(positive):
             raise _refuse(name, f"must be two positive integers, got {x!r}")
     sink = sides[0]["sink"]
     if sink is None or sink.ndim != 4 or min(sink.shape[:2]) < 1:
