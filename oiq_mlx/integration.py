@@ -50,13 +50,18 @@ scaled_dot_product_attention.__oiq_original__ = _ORIGINAL
 
 def install() -> int:
     """Route mlx-lm attention and cache loading through oiq_mlx; returns the
-    number of modules patched by this call (0 when already installed)."""
+    number of modules patched by this call (0 when already installed).
+
+    Every loaded module that bound mlx-lm's ``scaled_dot_product_attention``
+    by name is patched: mlx-lm's model modules, and a user's model module
+    imported before oiq_mlx.
+    """
     _cache_mod.OIQKVCache = OIQKVCache
     patched = 0
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "mlx_lm.models.base" or name.startswith("mlx_lm.models.")):
-            continue
-        if getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
+    for module in list(sys.modules.values()):
+        # vars(), not getattr(): a module-level __getattr__ must not run (lazy imports)
+        namespace = getattr(module, "__dict__", None)
+        if isinstance(namespace, dict) and namespace.get("scaled_dot_product_attention") is _ORIGINAL:
             module.scaled_dot_product_attention = scaled_dot_product_attention
             patched += 1
     return patched

@@ -258,7 +258,7 @@ def test_state_of_wrong_length_or_type_is_refused():
 
 def _run_fresh(code: str, cwd) -> str:
     """Run ``code`` in a new interpreter (nothing of this test process imported)."""
-    env_path = ":".join(p for p in sys.path if p)
+    env_path = ":".join([str(cwd)] + [p for p in sys.path if p])
     result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, capture_output=True, text=True,
                             env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"}, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -279,8 +279,17 @@ def test_load_after_import_alone_in_a_fresh_process(saved, tmp_path):
 
 def test_hand_built_caches_work_in_a_fresh_process(tmp_path):
     """``[OIQKVCache(cfg, layer_idx=i) ...]`` in a model whose module was imported
-    before oiq_mlx (llama) and after it (qwen2) gives what make_oiq_cache gives."""
+    before oiq_mlx (llama) and after it (qwen2) gives what make_oiq_cache gives;
+    so does a user's module that bound mlx-lm's attention before oiq_mlx was imported."""
+    (tmp_path / "user_attention.py").write_text(textwrap.dedent("""
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        def attend(q, k, v, cache):
+            keys, values = cache.update_and_fetch(k, v)
+            return scaled_dot_product_attention(q, keys, values, cache=cache, scale=0.125, mask="causal")
+    """))
     out = _run_fresh("""
+        import user_attention
         import mlx_lm.models.llama as llama
         import oiq_mlx
         import mlx.core as mx
@@ -297,5 +306,11 @@ def test_hand_built_caches_work_in_a_fresh_process(tmp_path):
             by_hand = model(tokens, cache=[OIQKVCache(cfg, layer_idx=i) for i in range(2)])
             made = model(tokens, cache=make_oiq_cache(model, cfg))
             print(module.__name__, mx.array_equal(by_hand, made).item(), mx.isfinite(by_hand).all().item())
+        k = mx.random.normal((1, 2, 9, 64))
+        q = mx.random.normal((1, 4, 9, 64))
+        out = user_attention.attend(q, k, k, OIQKVCache(OIQConfig(k_bits=8, v_bits=8)))
+        exact = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask="causal")
+        print("user", mx.allclose(out, exact, atol=1e-5).item())
     """, tmp_path)
-    assert out.split() == ["mlx_lm.models.llama", "True", "True", "mlx_lm.models.qwen2", "True", "True"]
+    assert out.split() == ["mlx_lm.models.llama", "True", "True", "mlx_lm.models.qwen2", "True", "True",
+                           "user", "True"]
