@@ -90,10 +90,11 @@ def _is_fast_sdpa(call) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _cache_result_uses(cls) -> tuple[int, tuple[str, ...]]:
+def _cache_result_uses(cls) -> tuple[int, tuple[str, ...]] | None:
     """How the methods of ``cls`` (its own source) use what ``update_and_fetch`` returns.
 
-    Returns ``(n, problems)``: ``n`` updates whose keys/values reach mlx-lm's
+    Returns ``(n, problems)`` (None when the source cannot be read): ``n``
+    updates whose keys/values reach mlx-lm's
     ``scaled_dot_product_attention`` (called by that name), and one line per
     use that needs them as arrays (indexing, matmul, ``mx.fast`` attention,
     passing them to another function); an OIQ cache returns itself there.
@@ -102,7 +103,7 @@ def _cache_result_uses(cls) -> tuple[int, tuple[str, ...]]:
     try:
         src = textwrap.dedent(inspect.getsource(cls))
     except (OSError, TypeError):
-        return 0, ()
+        return None
     tree = ast.parse(src)
     routed, problems = 0, []
     where = f"{cls.__module__}.{cls.__qualname__}"
@@ -163,9 +164,13 @@ def unsupported_reason(model) -> str | None:
         for cls in type(m).__mro__:
             if cls.__module__.split(".")[0] not in ("mlx", "builtins"):
                 classes[cls] = None
-    routed, problems = 0, []
+    routed, problems, unread = 0, [], []
     for cls in classes:
-        n, found = _cache_result_uses(cls)
+        uses = _cache_result_uses(cls)
+        if uses is None:
+            unread.append(f"{cls.__module__}.{cls.__qualname__}")
+            continue
+        n, found = uses
         problems += found
         if n:
             module = sys.modules.get(cls.__module__)
@@ -178,7 +183,9 @@ def unsupported_reason(model) -> str | None:
                 "return (it is read only through mlx-lm's scaled_dot_product_attention): "
                 + "; ".join(problems[:2]) + more)
     if not routed:
-        return "no attention of this model passes its cache's keys/values to mlx-lm's scaled_dot_product_attention"
+        unread = f" (the source of {', '.join(unread)} cannot be read to check)" if unread else ""
+        return ("no attention of this model passes its cache's keys/values to mlx-lm's scaled_dot_product_attention"
+                + unread)
     return None
 
 

@@ -1,7 +1,9 @@
 """Bad input stays local, edge cases behave as mlx-lm's caches, and models OIQ
 cannot serve are refused."""
 
+import importlib
 import math
+import textwrap
 
 import mlx.core as mx
 import pytest
@@ -222,3 +224,30 @@ def test_models_oiq_cannot_serve_are_refused(build, model_type, why):
 def test_supported_models_pass_the_check():
     for model in (tiny_llama(), tiny_gemma3()):
         assert unsupported_reason(model) is None
+
+
+def test_attention_through_another_function_of_that_name_is_refused(tmp_path, monkeypatch):
+    """A model module with its own ``scaled_dot_product_attention`` is never routed to OIQ."""
+    (tmp_path / "own_attention.py").write_text(textwrap.dedent("""
+        import mlx.core as mx
+        from mlx_lm.models import llama
+
+        def scaled_dot_product_attention(queries, keys, values, cache, scale, mask):
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+        class Attention(llama.Attention):
+            def __call__(self, x, mask=None, cache=None):
+                B, L, _ = x.shape
+                q, k, v = (p(x).reshape(B, L, n, -1).transpose(0, 2, 1, 3) for p, n in (
+                    (self.q_proj, self.n_heads), (self.k_proj, self.n_kv_heads), (self.v_proj, self.n_kv_heads)))
+                keys, values = cache.update_and_fetch(k, v)
+                out = scaled_dot_product_attention(q, keys, values, cache=cache, scale=self.scale, mask=mask)
+                return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    own = importlib.import_module("own_attention")
+    model = tiny_llama()
+    for layer in model.layers:
+        layer.self_attn.__class__ = own.Attention
+    with pytest.raises(ValueError, match="own_attention has its own scaled_dot_product_attention"):
+        make_oiq_cache(model)
