@@ -136,16 +136,20 @@ class _Side:
         beyond the float16 range is left out, so that one bad token cannot make
         the statistics of its head non-finite (or overflow the squares) and
         with them every stored vector of the head; a head with no usable token
-        gets mean 0 and scale 1.  ``sum * (1 / n)`` is how ``mx.mean`` computes,
-        so the result is bit-identical to ``mx.mean`` when every row is used.
+        gets mean 0 and scale 1.  A head whose every token is used gets exactly
+        the plain ``mx.mean`` of all of them, on every device.
         """
         ok = mx.all(mx.abs(ref) <= _FP16_MAX, axis=-1, keepdims=True)
+        every_row = mx.all(ok, axis=2, keepdims=True)
         inv_n = 1 / mx.maximum(mx.sum(ok, axis=2, keepdims=True).astype(mx.float32), 1.0)
-        rows = mx.where(ok, ref, 0.0)
-        m = mx.sum(rows, axis=2, keepdims=True) * inv_n if self.center else None
+
+        def mean(x):
+            used = mx.sum(mx.where(ok, x, 0.0), axis=2, keepdims=True) * inv_n
+            return mx.where(every_row, mx.mean(x, axis=2, keepdims=True), used)
+
+        m = mean(ref) if self.center else None
         if self.scale_power > 0:
-            centered = rows if m is None else mx.where(ok, rows - m, 0.0)
-            rms = mx.sqrt(mx.sum(mx.square(centered), axis=2, keepdims=True) * inv_n)
+            rms = mx.sqrt(mean(mx.square(ref if m is None else ref - m)))
             # only channels louder than the head's median are shrunk: quiet
             # channels are never amplified, and magnitudes only decrease
             median = mx.sort(rms, axis=-1)[..., self.dim // 2 : self.dim // 2 + 1] + 1e-6
