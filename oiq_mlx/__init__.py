@@ -23,6 +23,11 @@ from .config import OIQConfig  # noqa: E402
 from .cache import OIQKVCache  # noqa: E402
 from .attention import oiq_attention  # noqa: E402
 from .integration import install, make_oiq_cache  # noqa: E402
+
+# load_prompt_cache must find OIQKVCache, and hand-built OIQ caches must reach OIQ attention,
+# without the user calling anything first
+install()
+
 from .models import default_text, demo_model_path, gemma3_model_path, load  # noqa: E402
 
 __version__ = "0.1.0"

@@ -47,6 +47,8 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
     """
     B, n_q, L, d = queries.shape
     k, v = cache.k, cache.v
+    if cache.empty():
+        raise ValueError("the cache holds nothing: call cache.update_and_fetch(keys, values) before attention")
     if d != k.head_dim:
         raise ValueError(f"queries have head_dim {d}, the cache holds keys of dimension {k.head_dim}")
     n_kv = k.sink.shape[1]
@@ -54,6 +56,11 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         raise ValueError(f"{n_q} query heads cannot share {n_kv} KV heads")
     if sinks is not None and v.mean is not None:
         raise ValueError("attention sinks cannot be combined with center_values=True")
+    if L == 0:
+        cache.release_fresh()
+        return mx.zeros((B, n_q, 0, v.head_dim), queries.dtype)
+    if cache.offset == 0:
+        raise ValueError(f"{L} queries have no key to attend to: the cache holds 0 tokens")
     q = pad_last(queries.astype(mx.float32) * scale, k.dim)
     if k.lam is not None:
         q = (q.reshape(B, n_kv, n_q // n_kv, L, k.dim) * mx.expand_dims(k.lam, 2)).reshape(B, n_q, L, k.dim)

@@ -15,17 +15,31 @@ that many tokens restores the exact state a cache that never saw them has.
 Attention reads :meth:`OIQKVCache.attention_segments`, in which the tokens of
 the current ``update_and_fetch`` are full precision even when the call (a
 prompt longer than the window) already quantized them.
+
+Cache files: :attr:`OIQKVCache.state` (what ``save_prompt_cache`` writes)
+carries a format version and a digest of its metadata; :meth:`from_state`
+refuses, naming the field, a state whose arrays do not have exactly the
+shapes, dtypes and row counts the config and counters imply, whose counters
+contradict each other, whose sign vectors are not the config's, whose means or
+key scales are non-finite (or scales below 1), whose group scales are negative,
+infinite or 0/NaN over non-zero codes, or whose metadata does not match its
+digest.  Token data (codes, full-precision rows, means) may hold any value, so
+an edit of those values that keeps every shape (one head's codes copied over
+another's) is not detected: there is no checksum of the array data, which
+would cost a pass over the cache every prefill step (mlx-lm evaluates
+``cache.state`` there).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import dispatch
-from .codec import bytes_per_token, dequantize
+from .codec import _FP16_MAX, bytes_per_token, dequantize
 from .config import OIQConfig
 from .rotation import random_signs, rotate, unrotate
 
@@ -40,17 +54,27 @@ def layer_seed(seed: int, layer_idx: int, which: int) -> int:
     return (seed * 1_000_003 + layer_idx) * 2 + which
 
 
+def expected_signs(config: OIQConfig, layer_idx: int, which: int, dim: int) -> mx.array:
+    """The sign vector ``(dim,)`` of one layer's keys (which=0) or values (which=1)."""
+    if config.rotation == "hadamard":
+        return random_signs(layer_seed(config.seed, layer_idx, which), dim)
+    return mx.ones((dim,), mx.float32)
+
+
 def pad_last(x: mx.array, dim: int) -> mx.array:
     if x.shape[-1] == dim:
         return x
     return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
 
 
-def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, batch_heads):
-    """Return ``buf`` with capacity >= needed, keeping its first ``used`` rows."""
+def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, batch_heads, limit: int | None = None):
+    """Return ``buf`` with capacity >= needed (a multiple of ``step``, at most
+    ``limit``), keeping its first ``used`` rows."""
     if buf is not None and needed <= buf.shape[2]:
         return buf
     cap = -(-needed // step) * step
+    if limit is not None:
+        cap = min(cap, limit)
     new = mx.zeros((*batch_heads, cap, *shape_tail), dtype)
     if buf is not None and used:
         new[:, :, :used] = buf[:, :, :used]
@@ -79,7 +103,12 @@ class _Side:
     def unrotate(self, y: mx.array) -> mx.array:
         return unrotate(y, self.signs) if self.rotated else y.astype(mx.float32)
 
-    def to_storage(self, x: mx.array, first: bool, skip: int = 0) -> mx.array:
+    @property
+    def needs_statistics(self) -> bool:
+        """True until the mean / key scales this side uses have been estimated."""
+        return (self.center and self.mean is None) or (self.scale_power > 0 and self.lam is None)
+
+    def to_storage(self, x: mx.array, skip: int = 0) -> mx.array:
         """Pad, center, scale per channel and rotate new vectors ``(B, H, L, d)`` (fp32).
 
         On the first chunk the per-channel mean ``m`` and scale ``lam`` are
@@ -92,23 +121,41 @@ class _Side:
         ``q . m`` (which softmax ignores).
         """
         x = pad_last(x, self.dim).astype(mx.float32)
-        if first:
-            ref = x[:, :, skip:] if x.shape[2] > skip else x
-            m = mx.mean(ref, axis=2, keepdims=True) if self.center else None
-            if self.scale_power > 0:
-                centered = ref if m is None else ref - m
-                rms = mx.sqrt(mx.mean(mx.square(centered), axis=2, keepdims=True))
-                # only channels louder than the head's median are shrunk: quiet
-                # channels are never amplified, and magnitudes only decrease
-                median = mx.sort(rms, axis=-1)[..., self.dim // 2 : self.dim // 2 + 1] + 1e-6
-                self.lam = mx.power(mx.maximum(rms, median) / median, self.scale_power)
-            if m is not None:
-                self.mean = self.rotate(m if self.lam is None else m / self.lam)
+        if self.needs_statistics:
+            self._estimate(x[:, :, skip:] if x.shape[2] > skip else x)
         if self.mean is not None:
             x = x - (self.unrotate(self.mean) if self.lam is None else self.unrotate(self.mean) * self.lam)
         if self.lam is not None:
             x = x / self.lam
         return self.rotate(x)
+
+    def _estimate(self, ref: mx.array):
+        """Mean and key scales of the rows (tokens) of ``ref`` ``(B, H, n, d)``.
+
+        A token whose vector (in this head) holds a non-finite value or one
+        beyond the float16 range is left out, so that one bad token cannot make
+        the statistics of its head non-finite (or overflow the squares) and
+        with them every stored vector of the head; a head with no usable token
+        gets mean 0 and scale 1.  A head whose every token is used gets exactly
+        the plain ``mx.mean`` of all of them, on every device.
+        """
+        ok = mx.all(mx.abs(ref) <= _FP16_MAX, axis=-1, keepdims=True)
+        every_row = mx.all(ok, axis=2, keepdims=True)
+        inv_n = 1 / mx.maximum(mx.sum(ok, axis=2, keepdims=True).astype(mx.float32), 1.0)
+
+        def mean(x):
+            used = mx.sum(mx.where(ok, x, 0.0), axis=2, keepdims=True) * inv_n
+            return mx.where(every_row, mx.mean(x, axis=2, keepdims=True), used)
+
+        m = mean(ref) if self.center else None
+        if self.scale_power > 0:
+            rms = mx.sqrt(mean(mx.square(ref if m is None else ref - m)))
+            # only channels louder than the head's median are shrunk: quiet
+            # channels are never amplified, and magnitudes only decrease
+            median = mx.sort(rms, axis=-1)[..., self.dim // 2 : self.dim // 2 + 1] + 1e-6
+            self.lam = mx.power(mx.maximum(rms, median) / median, self.scale_power)
+        if m is not None:
+            self.mean = self.rotate(m if self.lam is None else m / self.lam)
 
     def nbytes(self) -> int:
         arrays = (self.codes, self.scales, self.sink, self.recent, self.mean, self.signs, self.lam)
@@ -151,13 +198,12 @@ class OIQKVCache(_BaseCache):
     def _init_storage(self, keys: mx.array, values: mx.array):
         cfg = self.config
         self.dtype = keys.dtype
+        bh = tuple(keys.shape[:2])
         for which, (side, x) in enumerate(((self.k, keys), (self.v, values))):
             dim = cfg.storage_dim(x.shape[-1])
-            if cfg.rotation == "hadamard":
-                signs = random_signs(layer_seed(cfg.seed, self.layer_idx, which), dim)
-            else:
-                signs = mx.ones((dim,), mx.float32)
-            side.init(x, signs, dim, cfg.rotation != "none")
+            side.init(x, expected_signs(cfg, self.layer_idx, which, dim), dim, cfg.rotation != "none")
+            # grown as sink tokens arrive (a huge sink_tokens costs only what is held)
+            side.sink = mx.zeros((*bh, 0, dim), self.dtype)
 
     def _check(self, keys, values):
         for name, x in (("keys", keys), ("values", values)):
@@ -179,21 +225,24 @@ class OIQKVCache(_BaseCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check(keys, values)
-        first = self.dtype is None
-        if first:
+        if self.dtype is None:
             self._init_storage(keys, values)
         cfg, start, L = self.config, self.offset, keys.shape[2]
+        if L == 0:
+            # as mlx-lm's KVCache: an empty update stores nothing (and estimates nothing)
+            self._fresh = None
+            return self, self
         bh = tuple(keys.shape[:2])
         n_sink = max(0, min(cfg.sink_tokens, start + L) - start)
         if L > n_sink:
             self._reserve_recent(start + L, bh)
         fresh = []
         for side, x in ((self.k, keys), (self.v, values)):
-            y = side.to_storage(x, first, skip=n_sink).astype(self.dtype)
+            y = side.to_storage(x, skip=n_sink).astype(self.dtype)
             fresh.append(y)
-            if side.sink is None:
-                side.sink = mx.zeros((*bh, cfg.sink_tokens, side.dim), self.dtype)
             if n_sink:
+                side.sink = _grow(side.sink, start, start + n_sink, self.step, (side.dim,), self.dtype, bh,
+                                  limit=cfg.sink_tokens)
                 side.sink[:, :, start : start + n_sink] = y[:, :, :n_sink]
             if L > n_sink:
                 a = start + n_sink - self.recent_start
@@ -379,24 +428,29 @@ class OIQKVCache(_BaseCache):
 
     @property
     def state(self):
-        sink_k, sink_v, quant, _, _ = self.segments()
-        n_q = 0 if quant is None else quant[0].shape[2]
-        keep = slice(0, 0)
-        if self.k.recent is not None:
-            keep = slice(0, self.offset - self.recent_start)
+        """The arrays this cache holds, trimmed to what is used, and a JSON string.
+
+        ``[k_codes, k_scales, k_sink, k_recent, k_signs, k_mean, k_lam, (same for
+        values), metadata]``, None for an array not held.  The metadata carries
+        the format version, the config, the counters and a digest of itself;
+        :meth:`from_state` checks all of it against the arrays.
+        """
+        cfg = self.config
+        n_sink, n_q, n_rec = self._held_rows()
         arrays = []
         for side in (self.k, self.v):
             arrays += [
                 None if side.codes is None else side.codes[:, :, :n_q],
                 None if side.scales is None else side.scales[:, :, :n_q],
-                side.sink,
-                None if side.recent is None else side.recent[:, :, keep],
+                None if side.sink is None else side.sink[:, :, :n_sink],
+                None if side.recent is None else side.recent[:, :, :n_rec],
                 side.signs,
                 side.mean,
                 side.lam,
             ]
         meta = {
-            "config": self.config.to_json(),
+            "format": FORMAT_VERSION,
+            "config": cfg.to_json(),
             "layer_idx": self.layer_idx,
             "offset": self.offset,
             "q_end": self.q_end,
@@ -405,19 +459,220 @@ class OIQKVCache(_BaseCache):
             "head_dims": [self.k.head_dim, self.v.head_dim],
             "dims": [self.k.dim, self.v.dim],
         }
+        meta["digest"] = _digest(meta)
         return arrays + [json.dumps(meta)]
+
+    def _held_rows(self):
+        """Rows in use of the sink, the packed segment and the full-precision buffer."""
+        s = self.config.sink_tokens
+        return min(s, self.offset), max(0, self.q_end - s), max(0, self.offset - self.recent_start)
 
     @state.setter
     def state(self, v):
-        meta = json.loads(v[-1])
-        self.__init__(OIQConfig.from_json(meta["config"]), layer_idx=meta["layer_idx"])
+        cfg, meta, sides = _parse_state(v)
+        self.__init__(cfg, layer_idx=meta["layer_idx"])
         self.offset, self.q_end, self.recent_start = meta["offset"], meta["q_end"], meta["recent_start"]
-        self.dtype = None if meta["dtype"] is None else _DTYPES[meta["dtype"]]
-        for i, side in enumerate((self.k, self.v)):
-            codes, scales, sink, recent, signs, mean, lam = v[7 * i : 7 * i + 7]
-            side.codes, side.scales, side.sink, side.recent = codes, scales, sink, recent
-            side.signs, side.mean, side.lam = signs, mean, lam
+        if meta["dtype"] is None:
+            return
+        self.dtype = _DTYPES[meta["dtype"]]
+        n_sink, n_q, n_rec = self._held_rows()
+        for i, (side, arrays) in enumerate(zip((self.k, self.v), sides)):
             side.head_dim, side.dim = meta["head_dims"][i], meta["dims"][i]
-            side.rotated = self.config.rotation != "none"
-            if side.codes is not None and side.codes.shape[2] == 0:
-                side.codes = side.scales = None
+            side.rotated = cfg.rotation != "none"
+            side.signs, side.mean, side.lam = arrays["signs"], arrays["mean"], arrays["lam"]
+            # rows past what the counters hold are never read: they are dropped
+            side.sink = arrays["sink"][:, :, :n_sink]
+            side.recent = arrays["recent"][:, :, :n_rec] if n_rec else None
+            side.codes = arrays["codes"][:, :, :n_q] if n_q else None
+            side.scales = arrays["scales"][:, :, :n_q] if n_q else None
+
+
+# -- cache files ------------------------------------------------------------------
+
+# Version of the state layout (the arrays and the metadata fields).  States
+# without "format" were written by oiq_mlx 0.1.0 in the same layout (no digest,
+# the sink buffer saved at its full sink_tokens rows); they are read as format 1.
+FORMAT_VERSION = 1
+_ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
+_META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")
+
+
+def _digest(meta: dict) -> str:
+    """Digest of the metadata fields: catches an edited config or counter that
+    leaves the arrays consistent (e.g. ``clip`` or ``window`` changed)."""
+    fields = {k: meta[k] for k in sorted(meta) if k != "digest"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _refuse(field: str, problem: str) -> ValueError:
+    return ValueError(f"OIQKVCache state refused: {field} {problem}")
+
+
+def _describe(a) -> str:
+    return f"{a.dtype} {tuple(a.shape)}" if isinstance(a, mx.array) else type(a).__name__
+
+
+def _parse_state(v):
+    """Validate a state (what :attr:`OIQKVCache.state` returns, as
+    ``load_prompt_cache`` hands it back) before anything is computed from it.
+
+    Returns ``(config, metadata, [keys arrays, values arrays])``, each side a
+    dict by array name.  Raises ``ValueError`` naming the field at fault.
+    """
+    if not isinstance(v, (list, tuple)) or len(v) != 2 * len(_ARRAY_NAMES) + 1 or not isinstance(v[-1], str):
+        n = len(v) if isinstance(v, (list, tuple)) else "?"
+        raise _refuse("state", f"must be 14 arrays (None where absent) and a metadata string; got "
+                               f"{type(v).__name__} of {n} items")
+    try:
+        meta = json.loads(v[-1])
+    except json.JSONDecodeError as e:
+        raise _refuse("metadata", f"is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise _refuse("metadata", f"must be a JSON object, got {type(meta).__name__}")
+    fmt = meta.get("format")
+    if "format" in meta and (isinstance(fmt, bool) or fmt != FORMAT_VERSION):
+        raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads ({FORMAT_VERSION}); "
+                                "the file was written by another version")
+    expected = set(_META_FIELDS) | ({"format", "digest"} if "format" in meta else set())
+    if set(meta) != expected:
+        raise _refuse("metadata", f"fields do not match format {FORMAT_VERSION}: missing "
+                                  f"{sorted(expected - set(meta))}, unknown {sorted(set(meta) - expected)}")
+    if not isinstance(meta["config"], str):
+        raise _refuse("config", f"must be a JSON string, got {type(meta['config']).__name__}")
+    try:
+        cfg = OIQConfig.from_json(meta["config"])
+    except ValueError as e:
+        raise _refuse("config", f"is invalid: {e}") from None
+    for name in ("layer_idx", "offset", "q_end", "recent_start"):
+        x = meta[name]
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise _refuse(name, f"must be an integer >= 0, got {x!r}")
+    if meta["dtype"] is not None and meta["dtype"] not in _DTYPES:
+        raise _refuse("dtype", f"{meta['dtype']!r} is not one of {sorted(_DTYPES)}")
+    sides = []
+    for i, side in enumerate(("keys", "values")):
+        arrays = dict(zip(_ARRAY_NAMES, v[7 * i : 7 * i + 7]))
+        for name, a in arrays.items():
+            if a is not None and not isinstance(a, mx.array):
+                raise _refuse(f"{side} {name}", f"is missing or not an array (got {type(a).__name__})")
+        sides.append(arrays)
+    s, offset, q_end, recent_start = cfg.sink_tokens, meta["offset"], meta["q_end"], meta["recent_start"]
+    if meta["dtype"] is None:
+        _check_empty_state(meta, sides, s)
+    else:
+        if not s <= recent_start <= q_end <= max(s, offset):
+            raise _refuse("q_end", f"and recent_start must satisfy sink_tokens <= recent_start <= q_end <= "
+                                   f"max(sink_tokens, offset); got sink_tokens={s}, recent_start={recent_start}, "
+                                   f"q_end={q_end}, offset={offset}")
+        _check_arrays(cfg, meta, sides)
+    if "format" in meta and meta["digest"] != _digest(meta):
+        raise _refuse("metadata", "does not match its digest: the config or the counters were edited "
+                                  "or corrupted after the cache was saved")
+    return cfg, meta, sides
+
+
+def _check_empty_state(meta: dict, sides, sink_tokens: int):
+    if meta["offset"] != 0 or meta["q_end"] != sink_tokens or meta["recent_start"] != sink_tokens:
+        raise _refuse("offset", f"q_end and recent_start of a cache that holds nothing (dtype null) must be "
+                                f"0, {sink_tokens}, {sink_tokens}; got {meta['offset']}, {meta['q_end']}, "
+                                f"{meta['recent_start']}")
+    if meta["head_dims"] != [None, None] or meta["dims"] != [None, None]:
+        raise _refuse("head_dims", "and dims of a cache that holds nothing must be [null, null]")
+    for side, arrays in zip(("keys", "values"), sides):
+        for name, a in arrays.items():
+            if a is not None:
+                raise _refuse(f"{side} {name}", "is present in a cache that holds nothing (dtype null)")
+
+
+def _check_arrays(cfg: OIQConfig, meta: dict, sides):
+    """Shapes, dtypes and values of the arrays of a non-empty state."""
+    dtype, layer = _DTYPES[meta["dtype"]], meta["layer_idx"]
+    for name in ("head_dims", "dims"):
+        x = meta[name]
+        positive = [not isinstance(d, bool) and isinstance(d, int) and d >= 1 for d in x] if isinstance(x, list) else []
+        if len(positive) != 2 or not all(positive):
+            raise _refuse(name, f"must be two positive integers, got {x!r}")
+    sink = sides[0]["sink"]
+    if sink is None or sink.ndim != 4 or min(sink.shape[:2]) < 1:
+        raise _refuse("keys sink", f"must be an array (B, n_kv_heads, rows, dim), got {_describe(sink)}")
+    bh = tuple(sink.shape[:2])
+    s, offset = cfg.sink_tokens, meta["offset"]
+    n_sink, n_q, n_rec = min(s, offset), max(0, meta["q_end"] - s), max(0, offset - meta["recent_start"])
+    bits = cfg.bits_for_layer(layer)
+    versioned = "format" in meta
+    for which, (side, arrays) in enumerate(zip(("keys", "values"), sides)):
+        head_dim, dim = meta["head_dims"][which], meta["dims"][which]
+        try:
+            storage = cfg.storage_dim(head_dim)
+        except ValueError as e:
+            raise _refuse("head_dims", f"do not fit the config: {e}") from None
+        if dim != storage:
+            raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dim {head_dim}")
+
+        def check(name, a, want_dtype, want_shape, rows=None):
+            """``a`` must have ``want_dtype`` and ``want_shape`` (axis 2 any of ``rows`` when given)."""
+            ok = isinstance(a, mx.array) and a.dtype == want_dtype and a.ndim == len(want_shape)
+            if ok and a.ndim == 4 and tuple(a.shape[:2]) != bh:
+                raise _refuse(f"{side} {name}", f"has (B, n_kv_heads) = {tuple(a.shape[:2])} where keys sink "
+                                                f"has {bh}")
+            if ok and rows is not None:
+                ok = a.shape[2] in rows and a.shape[3:] == want_shape[3:]
+            elif ok:
+                ok = tuple(a.shape) == want_shape
+            if not ok:
+                want = f"{want_dtype} {want_shape}"
+                if rows is not None and len(rows) > 1:
+                    want += f" (or {sorted(rows)} rows on axis 2)"
+                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want}")
+
+        def check_rows(name, n):
+            """A per-token array holding ``n`` rows (absent or empty when n is 0)."""
+            a = arrays[name]
+            if n or a is not None:
+                width = {"codes": dim * bits[which] // 32, "scales": dim // cfg.group_size}.get(name, dim)
+                want_dtype = {"codes": mx.uint32, "scales": mx.float16}.get(name, dtype)
+                check(name, a, want_dtype, (*bh, n, width), rows={n})
+
+        # oiq_mlx 0.1.0 saved the sink buffer at full size, and an arbitrary slice of an
+        # emptied full-precision buffer; those rows are never read
+        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {n_sink, s})
+        if n_rec or versioned:
+            check_rows("recent", n_rec)
+        check_rows("codes", n_q)
+        check_rows("scales", n_q)
+        if n_q:
+            scales = arrays["scales"]
+            # nothing writes a negative or infinite scale; NaN (a group that held
+            # non-finite input) and 0 (an all-zero group) are written with codes 0
+            if mx.any(mx.logical_or(scales < 0, mx.isinf(scales))).item():
+                raise _refuse(f"{side} scales", "hold negative or infinite values")
+            codes = arrays["codes"]
+            words = codes.reshape(*codes.shape[:3], dim // cfg.group_size, -1)
+            codeless = mx.logical_not(scales > 0)[..., None]
+            if mx.any(mx.logical_and(codeless, words != 0)).item():
+                raise _refuse(f"{side} scales", "are 0 or NaN for groups whose codes are not 0 (a group is "
+                                                "stored with scale 0 or NaN only with codes 0)")
+        check("signs", arrays["signs"], mx.float32, (dim,))
+        if not mx.array_equal(arrays["signs"], expected_signs(cfg, layer, which, dim)).item():
+            raise _refuse(f"{side} signs", f"are not the sign vector of layer {layer} under rotation="
+                                           f"{cfg.rotation!r}, seed={cfg.seed}")
+        center = cfg.center_keys if which == 0 else cfg.center_values
+        power = cfg.key_scaling if which == 0 else 0.0
+        for name, used in (("mean", center), ("lam", power > 0)):
+            a = arrays[name]
+            if not used:
+                if a is not None:
+                    raise _refuse(f"{side} {name}", "is present but the config does not use it")
+                continue
+            if a is None:
+                if offset > 0:
+                    raise _refuse(f"{side} {name}", "is missing (the config uses it and the cache holds tokens)")
+                continue
+            check(name, a, mx.float32, (*bh, 1, dim))
+            if not mx.all(mx.isfinite(a)).item():
+                raise _refuse(f"{side} {name}", "holds non-finite values")
+        lam, mean = arrays["lam"], arrays["mean"]
+        if lam is not None and not mx.all(lam >= 1).item():
+            raise _refuse(f"{side} lam", "holds values below 1 (key scales only ever shrink channels)")
+        if center and power > 0 and (mean is None) != (lam is None):
+            raise _refuse(f"{side} mean", "and lam must be both present or both absent")

@@ -205,6 +205,8 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
         ratios = mx.array(CLIP_RATIOS, mx.float32)
         cand = _round_scale(amax * ratios / half)  # (..., ng, C)
         cg = _codes_for_scale(yg[..., None, :], cand[..., None], bits)
+        # err overflows only for |y| ~ 1e18 and up, where every candidate is the
+        # saturated float16 scale: whichever argmin picks, the scale is the same
         err = mx.sum(mx.square((cg - half) * cand[..., None] - yg[..., None, :]), axis=-1)
         best = mx.argmin(err, axis=-1, keepdims=True)
         scale = mx.take_along_axis(cand, best, axis=-1)

@@ -13,6 +13,10 @@ from .rotation import hadamard_block_size
 
 ROTATIONS = ("hadamard", "hadamard_nosigns", "none")
 
+# Upper bound of the token counts (sink_tokens, window, trim_reserve): past any
+# model's context, low enough that a typo (10**9) is an error, not an allocation.
+MAX_TOKENS = 1 << 24
+
 # Chosen by measurement (oiq_mlx.fidelity, scripts/fidelity_sweep.py; README
 # "Fidelity"): perplexity and KL against the full-precision cache on SmolLM2-135M
 # and Gemma 3 270M at equal bytes per token.
@@ -54,11 +58,13 @@ def _parse_layer_bits(value) -> tuple:
     return tuple(sorted(out))
 
 
-def _check_int(name: str, value, minimum: int = 0) -> int:
+def _check_int(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return int(value)
 
 
@@ -124,8 +130,10 @@ class OIQConfig:
         check_bits(self.k_bits, "k_bits")
         check_bits(self.v_bits, "v_bits")
         check_group_size(self.group_size)
-        for name in ("seed", "sink_tokens", "window", "quantize_after", "trim_reserve"):
+        for name in ("seed", "quantize_after"):
             _check_int(name, getattr(self, name))
+        for name in ("sink_tokens", "window", "trim_reserve"):
+            _check_int(name, getattr(self, name), 0, MAX_TOKENS)
         if isinstance(self.key_scaling, bool) or not isinstance(self.key_scaling, (int, float)) or not 0 <= self.key_scaling <= 1:
             raise ValueError(f"key_scaling must be a number in [0, 1], got {self.key_scaling!r}")
         if self.rotation not in ROTATIONS:
@@ -200,4 +208,16 @@ class OIQConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "OIQConfig":
-        return cls(**json.loads(text))
+        """The config :meth:`to_json` wrote; ``ValueError`` naming the problem otherwise."""
+        try:
+            fields = json.loads(text)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise ValueError(f"config is not JSON: {e}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"config must be a JSON object, got {type(fields).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown, missing = sorted(set(fields) - known), sorted(known - set(fields))
+        if unknown or missing:
+            # a default filled in for a missing field could silently change how the cache stores
+            raise ValueError(f"config fields do not match OIQConfig: unknown {unknown}, missing {missing}")
+        return cls(**fields)

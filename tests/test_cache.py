@@ -3,6 +3,7 @@
 import warnings
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import reference_attention, tiny_gemma3, tiny_llama
 from mlx_lm.generate import generate_step
@@ -374,11 +375,20 @@ def test_routing_is_idempotent_and_leaves_other_caches_alone():
 
     assert base.scaled_dot_product_attention is integration.scaled_dot_product_attention
     assert llama_mod.scaled_dot_product_attention is integration.scaled_dot_product_attention
-    q = mx.random.normal((1, 4, 3, 64))
-    k = mx.random.normal((1, 2, 3, 64))
+    q = mx.random.normal((1, 4, 3, 64), key=mx.random.key(1))
+    k = mx.random.normal((1, 2, 5, 64), key=mx.random.key(2))
+    v = mx.random.normal((1, 2, 5, 64), key=mx.random.key(3))
     kv = KVCache()
-    ref = integration._ORIGINAL(q, k, k, cache=kv, scale=0.125, mask="causal")
-    assert mx.array_equal(base.scaled_dot_product_attention(q, k, k, kv, 0.125, "causal"), ref)
+    keys, values = kv.update_and_fetch(k, v)
+    out = base.scaled_dot_product_attention(q, keys, values, kv, 0.125, "causal")
+    # against MLX's fused attention (not the function the wrapper itself calls) and a float64 truth
+    assert mx.array_equal(out, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"))
+    qn, kn, vn = (np.repeat(np.array(x, np.float64), 2 if x is not q else 1, axis=1) for x in (q, k, v))
+    s = qn @ kn.swapaxes(-1, -2) * 0.125
+    s = np.where(np.arange(2, 5)[:, None] >= np.arange(5)[None], s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    truth = (p / p.sum(-1, keepdims=True)) @ vn
+    assert np.abs(np.array(out, np.float64) - truth).max() < 1e-5
 
 
 def test_state_of_empty_cache_round_trips():
