@@ -122,6 +122,9 @@ def cache_dir():
 
 
 RESOURCES = {}  # host name of each instantiation launched -> its resource figures
+# One record per launch: host name, template arguments, grid, threadgroup and the values of
+# an input called `params` (coverage tests read it).
+LAUNCHES = []
 
 
 def generated_source(kernel, **kwargs):
@@ -429,6 +432,10 @@ def launch(kernel, *, inputs, grid, threadgroup, output_shapes, output_dtypes,
             results.append((order_name, arena.output_bytes()))
             tg_bytes = max(tg_bytes, int(stats[0]))
         _check_same_results(name, arena, results)
+        params_in = next((b["src"] for b in arena.buffers if b["name"] == "params" and b["role"] == "input"), None)
+        LAUNCHES.append({"host": name, "template": tuple((k, _tname(v)) for k, v in (template or [])),
+                         "grid": grid, "threadgroup": tg,
+                         "params": None if params_in is None else params_in.reshape(-1).tolist()})
         RESOURCES[name] = {
             "kernel": re.sub(r"^custom_kernel_", "", name).split("__")[0],
             "template": ", ".join(f"{k}={_tname(v)}" for k, v in (template or [])),
@@ -437,6 +444,23 @@ def launch(kernel, *, inputs, grid, threadgroup, output_shapes, output_dtypes,
             "private_bytes": info["private_bytes"],
         }
         return arena.outputs()
+
+
+def resource_table(rows=None):
+    """RESOURCES (or the given rows) as a Markdown table, one line per kernel and template
+    (the largest figures over its launches)."""
+    merged = {}
+    for r in (RESOURCES.values() if rows is None else rows):
+        m = merged.setdefault((r["kernel"], r["template"]), dict(r))
+        for k in ("threads_per_threadgroup", "threadgroup_bytes", "private_bytes"):
+            m[k] = max(m[k] or 0, r[k] or 0)
+    lines = ["| kernel | template | threads/threadgroup | threadgroup memory (bytes) | "
+             "per-thread state at -O0 (bytes, ~32-bit registers) |", "|---|---|---|---|---|"]
+    for (kernel, template), r in sorted(merged.items()):
+        p = r["private_bytes"]
+        lines.append(f"| {kernel} | {template} | {r['threads_per_threadgroup']} | "
+                     f"{r['threadgroup_bytes']} | {p} (~{-(-p // 4)}) |")
+    return "\n".join(lines)
 
 
 def _tname(v):
