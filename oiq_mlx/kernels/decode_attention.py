@@ -55,7 +55,8 @@ def _sink_rows(sinks: mx.array, B: int, n_q: int, L: int) -> mx.array:
 def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_size: int,
                      mask=None, sinks: mx.array | None = None, v_mean: mx.array | None = None,
                      v_signs: mx.array | None = None, keys_per_part_: int | None = None) -> mx.array:
-    """Attention of few rotated queries over an OIQ cache's segments; equals
+    """Attention of few rotated queries over an OIQ cache's segments (keys and values of the same
+    head dimension); equals
     ``attention._decode_reference`` (then ``+ v_mean`` and ``rotation.unrotate(., v_signs)`` when
     those are given), within float32 rounding.
 
