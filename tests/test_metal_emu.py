@@ -122,7 +122,39 @@ def test_missing_barrier_is_a_race_between_execution_orders(monkeypatch):
     with pytest.raises(MetalEmuError, match="results depend on the execution order"):
         _tree_sum(_REDUCE_NO_BARRIER, x)
     monkeypatch.delenv("OIQ_EMU_ORDERS")
+    with pytest.raises(MetalEmuError, match="results depend on the execution order"):
+        _tree_sum(_REDUCE_NO_BARRIER, x)  # the default runs several orders too
     np.testing.assert_allclose(np.array(_tree_sum(_REDUCE, x)), ref, rtol=1e-5)
+
+
+_RANK = _kernel("emu_rank", """
+    threadgroup uint counter[1];
+    if (thread_position_in_threadgroup.x == 0) counter[0] = 0;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    rank[thread_position_in_grid.x] = counter[0];
+    counter[0] = counter[0] + 1u;
+""", [], ["rank"])
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle:1", "shuffle:2"])
+def test_execution_orders(monkeypatch, order):
+    # Between the barrier and the end each thread runs alone: its rank is its turn.
+    monkeypatch.setenv("OIQ_EMU_ORDERS", order)
+    (rank,) = launch(_RANK, inputs=[], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+                     output_dtypes=[mx.uint32])
+    rank = np.array(rank)
+    assert sorted(rank.tolist()) == list(range(64))
+    if order == "forward":
+        assert rank.tolist() == list(range(64))
+    elif order == "reverse":
+        assert rank.tolist() == list(range(63, -1, -1))
+    else:
+        assert rank.tolist() not in (list(range(64)), list(range(63, -1, -1)))
+        other = "shuffle:2" if order == "shuffle:1" else "shuffle:1"
+        monkeypatch.setenv("OIQ_EMU_ORDERS", other)
+        again = launch(_RANK, inputs=[], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+                       output_dtypes=[mx.uint32])[0]
+        assert not np.array_equal(np.array(again), rank)  # seeds give different orders
 
 
 def test_threadgroup_memory_is_poisoned_per_group():

@@ -34,7 +34,7 @@ Semantics worth knowing when reading a failure:
   bound of live 32-bit registers); `emulator.resource_table()` prints them.
 - Compiled kernels are cached by hash of (kernel C++ text, shim, flags) in
   $OIQ_EMU_CACHE, default ~/.cache/oiq_mlx/metal_emu; $OIQ_EMU_CXX picks the
-  compiler (default clang++).
+  clang++ binary (default clang++; g++ lacks the address spaces and hooks).
 """
 
 import pytest
