@@ -2,7 +2,7 @@
 """Check the fused Metal kernels on a Mac: compile every kernel instantiation first (printing each
 failure with the Metal compiler's message), then compare the kernels with the reference on what users
 run (every preset, contexts shorter than the window up to 32k, d = 64/128/256, B > 1, fp16 and bf16)
-and time them against the reference path and fp16 SDPA.  Prints one Markdown report to paste into an
+and time them against the reference path and SDPA on the uncompressed K/V.  Prints one Markdown report to paste into an
 issue; exits 0 when everything compiled and matched, 1 otherwise.
 
 Needs an Apple GPU; exits with status 2 and a message elsewhere.
