@@ -3,19 +3,20 @@
 // full-precision sink/recent segments in one loop.
 //
 // Grid (32, P, B*H_kv*NQC), threadgroup (32, TG_PARTS, 1): one simdgroup per
-// (KV head, chunk of QB query rows, slice of keys).  Lane l owns values
-// [l*EK, (l+1)*EK) of every key and [l*EV, (l+1)*EV) of every value; each key
-// is read once for all QB query rows (the rep query heads sharing the KV head
-// times the L positions).  Positions [0, S) are sinks, [S, S+NQ) packed,
-// [S+NQ, S+NQ+NR) recent.
-// params: n_sink, n_quant, n_recent, n_kv, rep, L, keys_per_part, n_qchunks.
-// Outputs per (z, part, query row): part_o (DV floats), part_ml (max, sum).
-constexpr int EK = DK / 32;
-constexpr int EV = DV / 32;
-constexpr int WK = DK * KBITS / 32;
-constexpr int WV = DV * VBITS / 32;
-constexpr float KHALF = float((1 << KBITS) - 1) / 2.0f;
-constexpr float VHALF = float((1 << VBITS) - 1) / 2.0f;
+// (KV head, chunk of QB query rows, slice of keys).  Template: FT (dtype of
+// the full-precision segments), D (key and value head dimension), QB.  Lane l
+// owns values [l*E, (l+1)*E) of every key and value; each key is read once
+// for all QB query rows (the rep query heads sharing the KV head times the L
+// positions).  Positions [0, S) are sinks, [S, S+NQ) packed, [S+NQ, S+NQ+NR)
+// recent.
+// params: n_sink, n_quant, n_recent, n_kv, rep, L, keys_per_part, n_qchunks,
+// k_bits, v_bits, group size, mask mode (0 none, 1 causal, 2 keep where the
+// float mask is nonzero, 3 additive); all uniform over the launch.
+// kc, ks, vc, vs and mask may be bound `constant` (fewer than 8 elements: a
+// placeholder, or one packed vector at low bits): they are only indexed, or
+// passed to the pointer-type template oiq_unpack.
+// Outputs per (z, part, query row): part_o (D floats), part_ml (max, sum).
+constexpr int E = D / 32;
 
 uint lane = thread_position_in_threadgroup.x;
 int part = int(thread_position_in_grid.y);
@@ -30,6 +31,12 @@ int rep = params[4];
 int L = params[5];
 int kpp = params[6];
 int nqc = params[7];
+uint kbits = uint(params[8]);
+uint vbits = uint(params[9]);
+int group = params[10];
+int mask_mode = params[11];
+float khalf = float((1 << kbits) - 1) / 2.0f;
+float vhalf = float((1 << vbits) - 1) / 2.0f;
 int T = n_sink + n_quant + n_recent;
 int n_q = n_kv * rep;
 
@@ -38,7 +45,7 @@ int bh = z / nqc;
 int b = bh / n_kv;
 int kvh = bh % n_kv;
 
-float qv[QB][EK];
+float qv[QB][E];
 float qsum[QB];
 int qhead[QB];
 int qpos[QB];
@@ -49,9 +56,9 @@ for (int i = 0; i < QB; i++) {
   int qqc = qvalid[i] ? qq : 0;
   qhead[i] = kvh * rep + qqc / L;
   qpos[i] = qqc % L;
-  const device float* qr = q + (size_t(b * n_q + kvh * rep) * L + qqc) * DK + lane * EK;
+  const device float* qr = q + (size_t(b * n_q + kvh * rep) * L + qqc) * D + lane * E;
   qsum[i] = 0.0f;
-  for (int e = 0; e < EK; e++) {
+  for (int e = 0; e < E; e++) {
     qv[i][e] = qvalid[i] ? qr[e] : 0.0f;
     qsum[i] += qv[i][e];
   }
@@ -59,11 +66,11 @@ for (int i = 0; i < QB; i++) {
 
 float m[QB];
 float lsum[QB];
-float o[QB][EV];
+float o[QB][E];
 for (int i = 0; i < QB; i++) {
   m[i] = -INFINITY;
   lsum[i] = 0.0f;
-  for (int e = 0; e < EV; e++) {
+  for (int e = 0; e < E; e++) {
     o[i][e] = 0.0f;
   }
 }
@@ -72,63 +79,63 @@ int t0 = part * kpp;
 int t1 = min(T, t0 + kpp);
 for (int t = t0; t < t1; t++) {
   float partial[QB];
-  float vv[EV];
+  float vv[E];
   if (t < n_sink || t >= n_sink + n_quant) {
     bool sink = t < n_sink;
     int tr = sink ? t : t - n_sink - n_quant;
     const device FT* kr = sink
-        ? sk + b * sk_strides[0] + kvh * sk_strides[1] + tr * sk_strides[2] + lane * EK
-        : rk + b * rk_strides[0] + kvh * rk_strides[1] + tr * rk_strides[2] + lane * EK;
+        ? sk + b * sk_strides[0] + kvh * sk_strides[1] + tr * sk_strides[2] + lane * E
+        : rk + b * rk_strides[0] + kvh * rk_strides[1] + tr * rk_strides[2] + lane * E;
     const device FT* vr = sink
-        ? sv + b * sv_strides[0] + kvh * sv_strides[1] + tr * sv_strides[2] + lane * EV
-        : rv + b * rv_strides[0] + kvh * rv_strides[1] + tr * rv_strides[2] + lane * EV;
-    float kk[EK];
-    for (int e = 0; e < EK; e++) {
+        ? sv + b * sv_strides[0] + kvh * sv_strides[1] + tr * sv_strides[2] + lane * E
+        : rv + b * rv_strides[0] + kvh * rv_strides[1] + tr * rv_strides[2] + lane * E;
+    float kk[E];
+    for (int e = 0; e < E; e++) {
       kk[e] = float(kr[e]);
     }
     for (int i = 0; i < QB; i++) {
       float acc = 0.0f;
-      for (int e = 0; e < EK; e++) {
+      for (int e = 0; e < E; e++) {
         acc += qv[i][e] * kk[e];
       }
       partial[i] = acc;
     }
-    for (int e = 0; e < EV; e++) {
+    for (int e = 0; e < E; e++) {
       vv[e] = float(vr[e]);
     }
   } else {
     int tq = t - n_sink;
-    uint c[EK];
-    oiq_unpack<KBITS, EK>(kc + b * kc_strides[0] + kvh * kc_strides[1] + tq * kc_strides[2], lane, c);
-    float ks_ = float(ks[b * ks_strides[0] + kvh * ks_strides[1] + tq * ks_strides[2] + lane * EK / GROUP]);
-    float kf[EK];
-    for (int e = 0; e < EK; e++) {
+    uint c[E];
+    oiq_unpack<E>(kc + b * kc_strides[0] + kvh * kc_strides[1] + tq * kc_strides[2], kbits, lane, c);
+    float ks_ = float(ks[b * ks_strides[0] + kvh * ks_strides[1] + tq * ks_strides[2] + lane * E / group]);
+    float kf[E];
+    for (int e = 0; e < E; e++) {
       kf[e] = float(c[e]);
     }
     // q . (s * (c - h)) = s * (q . c - h * sum(q)): one multiply per value.
     for (int i = 0; i < QB; i++) {
       float acc = 0.0f;
-      for (int e = 0; e < EK; e++) {
+      for (int e = 0; e < E; e++) {
         acc += qv[i][e] * kf[e];
       }
-      partial[i] = ks_ * (acc - KHALF * qsum[i]);
+      partial[i] = ks_ * (acc - khalf * qsum[i]);
     }
-    uint cv[EV];
-    oiq_unpack<VBITS, EV>(vc + b * vc_strides[0] + kvh * vc_strides[1] + tq * vc_strides[2], lane, cv);
-    float vs_ = float(vs[b * vs_strides[0] + kvh * vs_strides[1] + tq * vs_strides[2] + lane * EV / GROUP]);
-    for (int e = 0; e < EV; e++) {
-      vv[e] = (float(cv[e]) - VHALF) * vs_;
+    uint cv[E];
+    oiq_unpack<E>(vc + b * vc_strides[0] + kvh * vc_strides[1] + tq * vc_strides[2], vbits, lane, cv);
+    float vs_ = float(vs[b * vs_strides[0] + kvh * vs_strides[1] + tq * vs_strides[2] + lane * E / group]);
+    for (int e = 0; e < E; e++) {
+      vv[e] = (float(cv[e]) - vhalf) * vs_;
     }
   }
   for (int i = 0; i < QB; i++) {
     float s = simd_sum(partial[i]);
-    if (MASK_MODE == 1) {
+    if (mask_mode == 1) {
       s = t <= T - L + qpos[i] ? s : -INFINITY;
-    } else if (MASK_MODE >= 2) {
-      MT mv = mask[b * mask_strides[0] + qhead[i] * mask_strides[1] + qpos[i] * mask_strides[2] +
-                   t * mask_strides[3]];
-      if (MASK_MODE == 2) {
-        s = float(mv) != 0.0f ? s : -INFINITY;
+    } else if (mask_mode >= 2) {
+      float mv = mask[b * mask_strides[0] + qhead[i] * mask_strides[1] + qpos[i] * mask_strides[2] +
+                      t * mask_strides[3]];
+      if (mask_mode == 2) {
+        s = mv != 0.0f ? s : -INFINITY;
       } else {
         s += float(mv);
       }
@@ -140,7 +147,7 @@ for (int t = t0; t < t1; t++) {
       float f = exp(m[i] - m_new);
       float p = exp(s - m_new);
       lsum[i] = lsum[i] * f + p;
-      for (int e = 0; e < EV; e++) {
+      for (int e = 0; e < E; e++) {
         o[i][e] = o[i][e] * f + p * vv[e];
       }
       m[i] = m_new;
@@ -150,8 +157,8 @@ for (int t = t0; t < t1; t++) {
 
 for (int i = 0; i < QB; i++) {
   size_t slot = (size_t(z) * n_parts + part) * QB + i;
-  for (int e = 0; e < EV; e++) {
-    part_o[slot * DV + lane * EV + e] = o[i][e];
+  for (int e = 0; e < E; e++) {
+    part_o[slot * D + lane * E + e] = o[i][e];
   }
   if (lane == 0) {
     part_ml[slot * 2] = m[i];

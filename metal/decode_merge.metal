@@ -2,9 +2,12 @@
 // attention-sink logit) + value mean + inverse Walsh-Hadamard + sign flip.
 //
 // Grid (32, B*H_q*L, 1), threadgroup (32, ROWS, 1): one simdgroup per query
-// row, lane l owning output values [l*EV, (l+1)*EV).
-// params: n_kv, rep, L, n_parts, n_qchunks.  Output: out (B, H_q, L, DV) float32.
-constexpr int EV = DV / 32;
+// row, lane l owning output values [l*E, (l+1)*E).  Template: D (value head
+// dimension).  params: n_kv, rep, L, n_parts, n_qchunks, QB (query rows per
+// chunk of pass 1), has sinks, has mean, unrotate (uniform over the launch).
+// part_ml, sinks, mean and signs may be bound `constant` (fewer than 8
+// elements); they are only indexed.  Output: out (B, H_q, L, D) float32.
+constexpr int E = D / 32;
 
 uint lane = thread_position_in_threadgroup.x;
 int g = int(thread_position_in_grid.y);
@@ -13,6 +16,10 @@ int rep = params[1];
 int L = params[2];
 int n_parts = params[3];
 int nqc = params[4];
+int qb = params[5];
+bool has_sinks = params[6] != 0;
+bool has_mean = params[7] != 0;
+bool unrotate = params[8] != 0;
 int n_q = n_kv * rep;
 
 int b = g / (n_q * L);
@@ -20,47 +27,47 @@ int h = (g / L) % n_q;
 int l = g % L;
 int kvh = h / rep;
 int qq = (h % rep) * L + l;
-int z = (b * n_kv + kvh) * nqc + qq / QB;
-int i = qq % QB;
+int z = (b * n_kv + kvh) * nqc + qq / qb;
+int i = qq % qb;
 
 float mx_ = -INFINITY;
 for (int p = 0; p < n_parts; p++) {
-  mx_ = max(mx_, part_ml[((size_t(z) * n_parts + p) * QB + i) * 2]);
+  mx_ = max(mx_, part_ml[((size_t(z) * n_parts + p) * qb + i) * 2]);
 }
-float sink = HAS_SINKS ? sinks[g] : -INFINITY;  // sinks: (B, H_q, L) logits
+float sink = has_sinks ? sinks[g] : -INFINITY;  // sinks: (B, H_q, L) logits
 mx_ = max(mx_, sink);
 float lsum = 0.0f;
-float acc[EV];
-for (int e = 0; e < EV; e++) {
+float acc[E];
+for (int e = 0; e < E; e++) {
   acc[e] = 0.0f;
 }
 for (int p = 0; p < n_parts; p++) {
-  size_t slot = (size_t(z) * n_parts + p) * QB + i;
+  size_t slot = (size_t(z) * n_parts + p) * qb + i;
   float mp = part_ml[slot * 2];
   if (mp > -INFINITY) {
     float f = exp(mp - mx_);
     lsum += part_ml[slot * 2 + 1] * f;
-    for (int e = 0; e < EV; e++) {
-      acc[e] += part_o[slot * DV + lane * EV + e] * f;
+    for (int e = 0; e < E; e++) {
+      acc[e] += part_o[slot * D + lane * E + e] * f;
     }
   }
 }
-if (HAS_SINKS) {
+if (has_sinks) {
   lsum += exp(sink - mx_);
 }
-float y[EV];
-for (int e = 0; e < EV; e++) {
+float y[E];
+for (int e = 0; e < E; e++) {
   y[e] = acc[e] / lsum;
-  if (HAS_MEAN) {
-    y[e] += mean[(b * n_kv + kvh) * DV + lane * EV + e];
+  if (has_mean) {
+    y[e] += mean[(b * n_kv + kvh) * D + lane * E + e];
   }
 }
-if (UNROTATE) {
-  oiq_wht<EV>(y, lane, rot_scale);
-  for (int e = 0; e < EV; e++) {
-    y[e] *= signs[lane * EV + e];
+if (unrotate) {
+  oiq_wht<E>(y, lane, rot_scale);
+  for (int e = 0; e < E; e++) {
+    y[e] *= signs[lane * E + e];
   }
 }
-for (int e = 0; e < EV; e++) {
-  out[size_t(g) * DV + lane * EV + e] = y[e];
+for (int e = 0; e < E; e++) {
+  out[size_t(g) * D + lane * E + e] = y[e];
 }

@@ -34,30 +34,33 @@ METAL_FUNC void oiq_wht(thread float* x, uint lane, float scale) {
   }
 }
 
-// Codes of values [lane*E, (lane+1)*E) of one packed vector: value i sits in
-// bits [i*BITS, (i+1)*BITS) of the LSB-first stream `words` (mx.quantize's
-// layout; 3/5/6-bit values straddle words).  The lane's bits span at most
-// NW words; only words inside the vector's W = E*BITS words are read.
-template <int BITS, int E>
-METAL_FUNC void oiq_unpack(const device uint32_t* words, uint lane, thread uint* c) {
-  constexpr int W = E * BITS;
-  constexpr int NW = (E * BITS + 31) / 32 + 1;
-  constexpr uint MASK = (1u << BITS) - 1u;
-  uint bit0 = lane * uint(E * BITS);
+// Codes of values [lane*E, (lane+1)*E) of one packed vector of `bits`-bit
+// codes: value i sits in bits [i*bits, (i+1)*bits) of the LSB-first stream
+// `words` (mx.quantize's layout; 3/5/6-bit values straddle words).  The lane's
+// bits span at most NW words (at 8 bits); only words inside the vector's
+// W = E*bits words are read.  P is the pointer type: MLX binds an input of
+// fewer than 8 elements (one packed vector at low bits, a placeholder) as
+// `const constant uint32_t*`, larger ones as `const device uint32_t*`.
+template <int E, typename P>
+METAL_FUNC void oiq_unpack(P words, uint bits, uint lane, thread uint* c) {
+  constexpr int NW = (E * 8 + 31) / 32 + 1;
+  uint W = uint(E) * bits;
+  uint mask = (1u << bits) - 1u;
+  uint bit0 = lane * W;
   uint w0 = bit0 >> 5;
   uint sh0 = bit0 & 31u;
   uint local[NW];
   for (int k = 0; k < NW; k++) {
-    local[k] = (w0 + uint(k) < uint(W)) ? words[w0 + k] : 0u;
+    local[k] = (w0 + uint(k) < W) ? words[w0 + k] : 0u;
   }
   for (int e = 0; e < E; e++) {
-    uint bit = sh0 + uint(e * BITS);
+    uint bit = sh0 + uint(e) * bits;
     uint w = bit >> 5;
     uint sh = bit & 31u;
     uint v = local[w] >> sh;
-    if (sh + BITS > 32) {
+    if (sh + bits > 32u) {
       v |= local[w + 1] << (32u - sh);
     }
-    c[e] = v & MASK;
+    c[e] = v & mask;
   }
 }

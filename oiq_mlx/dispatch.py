@@ -148,7 +148,8 @@ def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate
     B, n_q, L, dq = q_rotated.shape
     if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.dim:
         return None
-    if not (_codec_shape_ok(k.dim, k.bits, cfg.group_size) and _codec_shape_ok(v.dim, v.bits, cfg.group_size)):
+    if k.dim != v.dim or not _codec_shape_ok(k.dim, k.bits, cfg.group_size) \
+            or not _codec_shape_ok(v.dim, v.bits, cfg.group_size):
         return None
     n_kv = k.sink.shape[1]
     if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, cache.offset)):

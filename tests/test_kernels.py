@@ -11,7 +11,6 @@ distinct instantiations stays near 90.
 """
 
 import itertools
-import math
 import os
 import subprocess
 import sys
@@ -21,13 +20,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_emu import MetalEmuError, launch as emu_launch
+from metal_emu import MetalEmuError, emulator
 from oiq_mlx import attention, codec, dispatch, rotation
 from oiq_mlx.cache import OIQKVCache
 from oiq_mlx.config import OIQConfig
-from oiq_mlx.kernels import _launch
-from oiq_mlx.kernels._source import metal_source
-from oiq_mlx.kernels.decode_attention import decode_attention
+from oiq_mlx.kernels import _launch, _source, check
+from oiq_mlx.kernels._source import SUPPORTED_DIMS
+from oiq_mlx.kernels.decode_attention import decode_attention, query_rows_per_chunk
+from oiq_mlx.kernels.instantiations import DTYPES as KERNEL_DTYPES
+from oiq_mlx.kernels.instantiations import MASK_MODES, QUERY_ROWS, codec_params, production_instantiations
 from oiq_mlx.kernels.dequantize import dequantize as kernel_dequantize
 from oiq_mlx.kernels.quantize import quantize as kernel_quantize
 
@@ -134,30 +135,6 @@ def test_quantize_nan_token_confined_with_rotation(metal_emulator):
     assert np.isnan(s[1, 0]).all() and np.isfinite(np.delete(s.reshape(8, -1), 2, axis=0)).all()
 
 
-def test_emulator_catches_quantize_without_barrier():
-    """A variant of the quantize kernel with its threadgroup_barrier removed packs stale codes."""
-    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
-    src = metal_source("quantize.metal")
-    assert src.count(barrier) == 1
-    broken = mx.fast.metal_kernel(
-        name="oiq_quantize_no_barrier", input_names=["x", "signs", "rot_scale"],
-        output_names=["codes", "scales"], source=src.replace(barrier, ""),
-        header=metal_source("oiq_common.h"))
-    x = _heavy_tailed((8, 128), mx.float32, seed=11)
-    signs = rotation.random_signs(seed=0, dim=128)
-    want_codes, _ = ref_quantize(x, signs, 4, 32)
-    try:
-        codes, _ = emu_launch(
-            broken, inputs=[x, signs, 1.0 / math.sqrt(128)],
-            template=[("T", mx.float32), ("D", 128), ("BITS", 4), ("GROUP", 32), ("ROTATE", True),
-                      ("ROWS", 4)],
-            grid=(32, 8, 1), threadgroup=(32, 4, 1), output_shapes=[(8, 16), (8, 4)],
-            output_dtypes=[mx.uint32, mx.float16])
-    except MetalEmuError:
-        return
-    assert not mx.array_equal(codes, want_codes)
-
-
 # ---------------------------------------------------------------- dequantize
 
 def _dequant_cases():
@@ -213,13 +190,13 @@ def _full_mask(mask, B, n_q, L, T):
     if isinstance(mask, str):
         keep = np.arange(T)[None, :] <= np.arange(T - L, T)[:, None]
         return np.broadcast_to(np.where(keep, 0.0, -np.inf), (B, n_q, L, T))
-    m = np.broadcast_to(np.array(mask), (B, n_q, L, T))
+    m = np.broadcast_to(np.array(mask if mask.dtype == mx.bool_ else mask.astype(mx.float32)), (B, n_q, L, T))
     return np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
 
 
-def truth_attention(q, cache, mask, sinks):
+def truth_attention(q, cache, mask, sinks, segments=None):
     """float64 attention over exactly the stored (dequantized) rotated values."""
-    sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
+    sink_k, sink_v, quant, recent_k, recent_v = cache.segments() if segments is None else segments
     gs = cache.config.group_size
     ks, vs = [], []
     if sink_k is not None:
@@ -246,12 +223,13 @@ def truth_attention(q, cache, mask, sinks):
     return np.einsum("bhlt,bhtd->bhld", p, V)
 
 
-def _check_attention(cache, q, mask=None, sinks=None, keys_per_part=None):
+def _check_attention(cache, q, mask=None, sinks=None, keys_per_part=None, segments=None):
     cfg = cache.config
-    out = decode_attention(q, segments=cache.segments(), k_bits=cfg.k_bits, v_bits=cfg.v_bits,
+    segments = cache.segments() if segments is None else segments
+    out = decode_attention(q, segments=segments, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
                            group_size=cfg.group_size, mask=mask, sinks=sinks, keys_per_part_=keys_per_part)
-    ref = attention._decode_reference(q, cache, mask, sinks)
-    truth = truth_attention(q, cache, mask, sinks)
+    ref = attention._decode_reference(q, cache, mask, sinks, segments)
+    truth = truth_attention(q, cache, mask, sinks, segments)
     assert out.shape == ref.shape and out.dtype == mx.float32
     err = np.abs(np.array(out) - truth).max()
     ref_err = np.abs(np.array(ref) - truth).max()
@@ -360,6 +338,10 @@ def kernels_on(metal_emulator, monkeypatch):
     return calls
 
 
+NO_METAL = pytest.mark.skipif(mx.metal.is_available(), reason="asserts the behaviour of a machine without Metal")
+
+
+@NO_METAL
 def test_dispatch_reference_without_metal(monkeypatch):
     assert not dispatch.kernels_enabled()  # Linux / CPU
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)
@@ -369,6 +351,7 @@ def test_dispatch_reference_without_metal(monkeypatch):
     assert not dispatch.kernels_enabled()
 
 
+@NO_METAL
 def test_dispatch_without_metal_returns_none_and_reference():
     cfg = OIQConfig()
     cache = _filled_cache(cfg, T=60)
@@ -443,10 +426,287 @@ def test_dispatch_declines_unsupported_attention(kernels_on):
 
 # ---------------------------------------------------------------- scripts/check_metal.py
 
-@pytest.mark.skipif(mx.metal.is_available(), reason="this machine has Metal")
+@NO_METAL
 def test_check_metal_script_exits_without_metal():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "check_metal.py")], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode != 0
     assert "Metal" in r.stderr and "not available" in r.stderr
+
+
+# ---------------------------------------------------------------- inputs MLX binds `constant`
+# MLX declares an input of fewer than 8 elements `const constant T*`; Metal refuses to pass it
+# where `const device T*` is declared.  These are the shapes where production meets that.
+
+@pytest.mark.parametrize("preset", ["3bit", "2bit"])
+def test_short_chat_before_anything_is_packed(kernels_on, preset):
+    # Fewer tokens than sinks + window: nothing packed, so the packed inputs are one-vector
+    # placeholders of d*bits/32 = 6 and 4 words at d = 64.
+    cfg = OIQConfig.preset(preset)
+    cache = _filled_cache(cfg, n_kv=1, d=64, T=12, L=1, dtype=mx.float16)
+    assert cache.segments()[2] is None
+    q = _rotated_queries(cache, 1, 3, 1, 64)
+    kernels_on.clear()
+    out = dispatch.decode_attention_kernel(cache, q, None, None)
+    assert len(kernels_on) == 2
+    truth = truth_attention(q, cache, None, None)
+    ref_err = np.abs(np.array(attention._decode_reference(q, cache, None, None)) - truth).max()
+    assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
+
+
+def test_one_packed_vector_of_one_head_at_2_bits(metal_emulator):
+    # One KV head, d = 64, 2 bits, one packed token: codes (1, 1, 1, 4) and scales (1, 1, 1, 2).
+    cfg = OIQConfig(k_bits=2, v_bits=2, group_size=32, sink_tokens=4, window=16)
+    cache = _filled_cache(cfg, n_kv=1, d=64, T=60, dtype=mx.float32)
+    sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
+    one = tuple(a[:, :, :1] for a in quant)
+    assert one[0].size < 8 and one[1].size < 8
+    _check_attention(cache, _rotated_queries(cache, 1, 2, 1, 64), segments=(sink_k, sink_v, one, recent_k,
+                                                                             recent_v))
+    codes, scales = one[0], one[1]
+    out = kernel_dequantize(codes, scales, bits=2, group_size=32)
+    _assert_bit_exact(out, codec.dequantize(codes, scales, 2, 32), "values")
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_head_dim_32(metal_emulator, mask):
+    # d = 32: one value per lane, one group per vector (scales of 1 element, codes of d*b/32 words).
+    cfg = OIQConfig(k_bits=3, v_bits=2, group_size=32, sink_tokens=4, window=16)
+    cache = _filled_cache(cfg, n_kv=2, d=32, T=90, L=2 if mask else 1, dtype=mx.bfloat16)
+    _check_attention(cache, _rotated_queries(cache, 1, 4, 2 if mask else 1, 32), mask)
+    x = _heavy_tailed((3, 1, 32), mx.float16, seed=5)
+    signs = rotation.random_signs(seed=3, dim=32)
+    codes, scales = kernel_quantize(x, bits=3, group_size=32, signs=signs)
+    want = ref_quantize(x, signs, 3, 32)
+    _assert_bit_exact(codes, want[0], "codes")
+    _assert_bit_exact(scales, want[1], "scales")
+
+
+# ---------------------------------------------------------------- mutations
+# Each broken variant of a kernel must make a kernel test fail: the tests can see these bugs.
+
+def _quantize_check(d=128, bits=4, dtype=mx.float32, rotate=True):
+    def check():
+        x = _heavy_tailed((9, d), dtype, seed=11)
+        signs = rotation.random_signs(seed=0, dim=d) if rotate else None
+        codes, scales = kernel_quantize(x, bits=bits, group_size=32, signs=signs)
+        want = ref_quantize(x, signs, bits, 32)
+        _assert_bit_exact(codes, want[0], "codes")
+        _assert_bit_exact(scales, want[1], "scales")
+    return check
+
+
+def _dequantize_check(bits=3):
+    def check():
+        y = _heavy_tailed((5, 128), mx.float32, seed=2)
+        codes, scales = codec.quantize(y, bits, 32)
+        _assert_bit_exact(kernel_dequantize(codes, scales, bits=bits, group_size=32),
+                          codec.dequantize(codes, scales, bits, 32), "values")
+    return check
+
+
+def _attention_check(mask=None, L=1, d=128, T=150, n_kv=2):
+    def check():
+        cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
+        cache = _filled_cache(cfg, n_kv=n_kv, d=d, T=T, L=L, dtype=mx.float16)
+        _check_attention(cache, _rotated_queries(cache, 1, 2 * n_kv, L, d), mask)
+    return check
+
+
+def _short_chat_check():
+    cfg = OIQConfig.preset("2bit")
+    cache = _filled_cache(cfg, n_kv=1, d=64, T=12, dtype=mx.float16)
+    _check_attention(cache, _rotated_queries(cache, 1, 1, 1, 64))
+
+
+MUTATIONS = {
+    "no threadgroup_barrier": ("quantize.metal", "threadgroup_barrier(mem_flags::mem_threadgroup);", "",
+                               _quantize_check()),
+    "simd_max for simd_sum": ("decode_attention.metal", "float s = simd_sum(partial[i]);",
+                              "float s = simd_max(partial[i]);", _attention_check()),
+    "butterfly sign in registers": ("oiq_common.h", "x[j + h] = a - b;", "x[j + h] = b - a;",
+                                    _quantize_check(d=128)),
+    "butterfly sign across lanes": ("oiq_common.h", "x[e] = upper ? other - x[e] : x[e] + other;",
+                                    "x[e] = upper ? x[e] - other : x[e] + other;", _quantize_check(d=64)),
+    "pack mask one bit wide": ("oiq_common.h", "uint mask = (1u << bits) - 1u;", "uint mask = (2u << bits) - 1u;",
+                               _dequantize_check()),
+    "straddling bits dropped": ("quantize.metal", "(v >> uint(-off))", "0u", _quantize_check(bits=3)),
+    "causal mask off by one": ("decode_attention.metal", "s = t <= T - L + qpos[i] ? s : -INFINITY;",
+                               "s = t < T - L + qpos[i] ? s : -INFINITY;", _attention_check("causal", L=3)),
+    "device pointer in oiq_unpack": ("oiq_common.h", "template <int E, typename P>\nMETAL_FUNC void oiq_unpack(P words",
+                                     "template <int E>\nMETAL_FUNC void oiq_unpack(const device uint32_t* words",
+                                     _short_chat_check),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_mutated_kernel_fails_a_kernel_test(metal_emulator, monkeypatch, mutation):
+    file, old, new, check = MUTATIONS[mutation]
+    original = _source.metal_source
+    assert original(file).count(old) == 1, f"{mutation}: the mutated text is not in {file}"
+    check()  # the unmutated kernel passes
+    monkeypatch.setattr(_source, "metal_source",
+                        lambda name: original(name).replace(old, new) if name == file else original(name))
+    _source.build_kernel.cache_clear()
+    try:
+        with pytest.raises((AssertionError, MetalEmuError)):
+            check()
+    finally:
+        _source.build_kernel.cache_clear()
+
+
+# ---------------------------------------------------------------- every production instantiation
+
+def _instantiation_id(kernel, template):
+    return kernel + "[" + ",".join(f"{k}={emulator._tname(v)}" for k, v in template) + "]"
+
+
+PRODUCTION = production_instantiations()
+
+
+def _sweep_quantize(d, dtype, _):
+    for n, (bits, g) in enumerate(codec_params(d)):
+        x = _heavy_tailed((3, 2, d), dtype, seed=bits + g)
+        signs = rotation.random_signs(seed=bits, dim=d) if n % 2 == 0 else None
+        codes, scales = kernel_quantize(x, bits=bits, group_size=g, signs=signs)
+        want = ref_quantize(x, signs, bits, g)
+        _assert_bit_exact(codes, want[0], f"codes {bits}b g{g}")
+        _assert_bit_exact(scales, want[1], f"scales {bits}b g{g}")
+
+
+def _sweep_dequantize(d, dtype, _):
+    for n, (bits, g) in enumerate(codec_params(d)):
+        y = _heavy_tailed((2, 3, d), mx.float32, seed=bits * g)
+        codes, scales = codec.quantize(y, bits, g)
+        signs = rotation.random_signs(seed=5, dim=d) if n % 2 else None
+        out = kernel_dequantize(codes, scales, bits=bits, group_size=g, dtype=dtype, signs=signs)
+        _assert_bit_exact(out, ref_dequantize(codes, scales, bits, g, dtype, signs), f"values {bits}b g{g}")
+
+
+# (B, n_kv, rep, L) giving rep * L query rows for each QB; masks, sinks, value mean rotate.
+_ROWS = {1: (2, 1, 1, 1), 2: (1, 2, 2, 1), 4: (1, 1, 2, 2), 8: (2, 1, 3, 2)}
+
+
+def _sweep_attention(d, dtype, qb):
+    i = SUPPORTED_DIMS.index(d) * 3 + KERNEL_DTYPES.index(dtype) + QUERY_ROWS.index(qb)
+    pairs = codec_params(d)
+    k_bits, g = pairs[i % len(pairs)]
+    v_bits = codec.SUPPORTED_BITS[(i * 5 + 1) % len(codec.SUPPORTED_BITS)]
+    B, n_kv, rep, L = _ROWS[qb]
+    assert query_rows_per_chunk(rep * L) == qb
+    cfg = OIQConfig(k_bits=k_bits, v_bits=v_bits, group_size=g, sink_tokens=4, window=16,
+                    center_values=i % 2 == 0, center_keys=False)
+    T = 70
+    cache = _filled_cache(cfg, B=B, n_kv=n_kv, d=d, T=T, L=L, dtype=dtype, seed=i)
+    q = _rotated_queries(cache, B, n_kv * rep, L, d, seed=i)
+    t = mx.arange(T)[None, None, None, :]
+    keep = t <= mx.arange(T - L, T)[None, None, :, None] - (i % 3)
+    mask = [None, "causal", keep, mx.where(keep, 0.0, -1e4).astype(dtype)][i % 4]
+    sinks = mx.linspace(-1.0, 2.0, n_kv * rep) if i % 3 == 0 else None
+    _check_attention(cache, q, mask, sinks)
+    if cache.v.mean is not None:  # the merge with value mean and un-rotation, as dispatch calls it
+        out = decode_attention(q, segments=cache.segments(), k_bits=k_bits, v_bits=v_bits, group_size=g,
+                               mask=mask, v_mean=cache.v.mean, v_signs=cache.v.signs)
+        mean = mx.repeat(cache.v.mean, rep, axis=1)
+        m = np.array(rotation.rotation_matrix(cache.v.signs)).astype(np.float64)
+        truth = (truth_attention(q, cache, mask, None) + np.array(mean)) @ m.T
+        ref = cache.v.unrotate(attention._decode_reference(q, cache, mask, None) + mean)
+        ref_err = np.abs(np.array(ref) - truth).max()
+        assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
+
+
+_SWEEPS = {"oiq_quantize": _sweep_quantize, "oiq_dequantize": _sweep_dequantize,
+           "oiq_decode_attention": _sweep_attention}
+
+
+@pytest.mark.parametrize("kernel, template", [p for p in PRODUCTION if p[0] in _SWEEPS],
+                         ids=[_instantiation_id(*p) for p in PRODUCTION if p[0] in _SWEEPS])
+def test_production_instantiation(metal_emulator, kernel, template):
+    """Each instantiation dispatch can request, against the reference; the merge kernel runs
+    with every attention case."""
+    t = dict(template)
+    _SWEEPS[kernel](t["D"], t.get("T", t.get("OutT", t.get("FT"))), t.get("QB"))
+
+
+def _launched(kernel):
+    return [r for r in emulator.LAUNCHES if r["host"].startswith(f"custom_kernel_{kernel}_")]
+
+
+def test_every_production_instantiation_ran():
+    """Every instantiation dispatch can request ran under the emulator in this session, with every
+    runtime parameter value it takes (bits, groups, mask modes, merge flags, GQA, L, batch)."""
+    if not _launched("oiq_decode_merge"):
+        pytest.skip("run with the other tests of this file (it checks what they launched)")
+    ran_ids = {_instantiation_id(k, r["template"]) for k in {p[0] for p in PRODUCTION} for r in _launched(k)}
+    missing = [_instantiation_id(*p) for p in PRODUCTION if _instantiation_id(*p) not in ran_ids]
+    assert not missing, f"{len(missing)} production instantiations never ran: {missing}"
+
+    def values(kernel, *idx):
+        return {tuple(r["params"][i] for i in idx) for r in _launched(kernel)}
+
+    all_pairs = {(b, g) for d in SUPPORTED_DIMS for b, g in codec_params(d)}
+    assert values("oiq_quantize", 0, 1) == all_pairs and values("oiq_quantize", 2) == {(0,), (1,)}
+    assert values("oiq_dequantize", 0, 1) == all_pairs and values("oiq_dequantize", 2) == {(0,), (1,)}
+    att = _launched("oiq_decode_attention")
+    assert {(r["params"][8],) for r in att} == {(b,) for b in codec.SUPPORTED_BITS}          # k bits
+    assert {(r["params"][9],) for r in att} == {(b,) for b in codec.SUPPORTED_BITS}          # v bits
+    assert {r["params"][10] for r in att} == set(codec.SUPPORTED_GROUP_SIZES)
+    assert {r["params"][11] for r in att} == set(MASK_MODES)
+    assert max(r["params"][4] for r in att) > 1 and max(r["params"][5] for r in att) > 1    # GQA, L > 1
+    assert any(r["grid"][2] > r["params"][3] * r["params"][7] for r in att)                   # batch > 1
+    assert values("oiq_decode_merge", 6) == {(0,), (1,)}                                       # sinks
+    assert values("oiq_decode_merge", 7) == {(0,), (1,)}                                       # value mean
+    assert values("oiq_decode_merge", 8) == {(0,), (1,)}                                       # un-rotate
+
+
+def test_resources_of_production_instantiations():
+    """Threadgroup memory and the per-thread state estimate of every instantiation that ran."""
+    rows = [r for r in emulator.RESOURCES.values() if r["kernel"].startswith("oiq_")]
+    if not rows:
+        pytest.skip("run with the other tests of this file (it reads what they launched)")
+    for r in rows:
+        assert r["threadgroup_bytes"] <= 32768 and r["threads_per_threadgroup"] <= 1024, r
+        assert r["private_bytes"] is not None and r["private_bytes"] > 0, r
+    print("\n" + emulator.resource_table(rows))
+
+
+def test_check_metal_compile_step_and_report(kernels_on, monkeypatch):
+    """scripts/check_metal.py's steps, run on the emulator: compile (and launch) instantiations on
+    their smallest inputs, check a short and a packed decode, one report with every failure."""
+    picks = [p for p in PRODUCTION if _instantiation_id(*p) in {
+        "oiq_quantize[T=float16,D=64,ROWS=4]", "oiq_dequantize[OutT=bfloat16,D=32]",
+        "oiq_decode_attention[FT=float16,D=64,QB=2]", "oiq_decode_merge[D=64]"}]
+    assert len(picks) == 4
+    compiled = check.compile_all(picks)
+    assert [r["error"] for r in compiled] == [None] * 4
+    checks = [check.check_codec(64, 3, 32, mx.bfloat16, 5, iters=0),
+              check.check_decode("3bit", 64, 40, 2, mx.float16, 1, 2, 1, iters=0),
+              check.check_decode("2bit", 64, 150, 1, mx.bfloat16, 1, 3, 4, iters=0)]
+    assert all(r["ok"] for r in checks), checks
+    # a kernel that Metal would not compile shows up with the compiler's message
+    file, old, new, _ = MUTATIONS["device pointer in oiq_unpack"]
+    original = _source.metal_source
+    monkeypatch.setattr(_source, "metal_source",
+                        lambda name: original(name).replace(old, new) if name == file else original(name))
+    _source.build_kernel.cache_clear()
+    try:
+        broken = check.compile_all(picks[-2:])
+    finally:
+        _source.build_kernel.cache_clear()
+    # the merge's smoke launch runs pass 1 too, which fails the same way
+    assert all("address space '2' (constant)" in r["error"] for r in broken)
+    text = check.report(compiled + broken, checks)
+    assert "compiled 4 of 6 kernel instantiations" in text
+    assert text.count("| ok |") == 3 and "compile/launch failure: oiq_decode_attention[FT=float16, D=64, QB=2]" in text
+    assert "cannot pass pointer to address space '2' (constant)" in text
+
+
+def test_check_metal_cases_cover_what_users_run():
+    cases = check.decode_cases()
+    assert {c["preset"] for c in cases} == {"4bit", "3bit", "2bit"}
+    assert {(c["preset"], c["context"]) for c in cases} == {(p, t) for p in check.PRESETS for t in check.CONTEXTS}
+    assert min(check.CONTEXTS) < 4 + 64 and max(check.CONTEXTS) == 32768
+    assert {c["d"] for c in cases} == {64, 128, 256} and {c["B"] for c in cases} == {1, 2}
+    assert {c["dtype"] for c in cases} == {mx.float16, mx.bfloat16} and max(c["L"] for c in cases) > 1
+    assert {c["d"] for c in check.codec_cases()} == {64, 128, 256}

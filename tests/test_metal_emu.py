@@ -110,14 +110,51 @@ def test_threadgroup_memory_tree_reduction():
     np.testing.assert_allclose(np.array(out), np.array(x, np.float64).sum(1), rtol=1e-5)
 
 
-def test_missing_barrier_gives_stale_reads():
-    # Each fiber runs until its next yield point, so without the barrier thread
-    # 0 finishes the whole tree before the others add their partial sums.
+def test_missing_barrier_is_a_race_between_execution_orders(monkeypatch):
+    # Without the barrier, which partial sums a thread sees depends on the order in which
+    # threads run between synchronisation points: forward gives stale reads, and the
+    # results of two orders differ, which the emulator reports as a race.
     x = mx.random.uniform(shape=(5, 1000), key=mx.random.key(2))
-    out = _tree_sum(_REDUCE_NO_BARRIER, x)
     ref = np.array(x, np.float64).sum(1)
-    assert not np.allclose(np.array(out), ref, rtol=1e-3)
-    assert np.array_equal(np.array(out), np.array(_tree_sum(_REDUCE_NO_BARRIER, x)))
+    monkeypatch.setenv("OIQ_EMU_ORDERS", "forward")
+    assert not np.allclose(np.array(_tree_sum(_REDUCE_NO_BARRIER, x)), ref, rtol=1e-3)
+    monkeypatch.setenv("OIQ_EMU_ORDERS", "forward,reverse")
+    with pytest.raises(MetalEmuError, match="results depend on the execution order"):
+        _tree_sum(_REDUCE_NO_BARRIER, x)
+    monkeypatch.delenv("OIQ_EMU_ORDERS")
+    with pytest.raises(MetalEmuError, match="results depend on the execution order"):
+        _tree_sum(_REDUCE_NO_BARRIER, x)  # the default runs several orders too
+    np.testing.assert_allclose(np.array(_tree_sum(_REDUCE, x)), ref, rtol=1e-5)
+
+
+_RANK = _kernel("emu_rank", """
+    threadgroup uint counter[1];
+    if (thread_position_in_threadgroup.x == 0) counter[0] = 0;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    rank[thread_position_in_grid.x] = counter[0];
+    counter[0] = counter[0] + 1u;
+""", [], ["rank"])
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse", "shuffle:1", "shuffle:2"])
+def test_execution_orders(monkeypatch, order):
+    # Between the barrier and the end each thread runs alone: its rank is its turn.
+    monkeypatch.setenv("OIQ_EMU_ORDERS", order)
+    (rank,) = launch(_RANK, inputs=[], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+                     output_dtypes=[mx.uint32])
+    rank = np.array(rank)
+    assert sorted(rank.tolist()) == list(range(64))
+    if order == "forward":
+        assert rank.tolist() == list(range(64))
+    elif order == "reverse":
+        assert rank.tolist() == list(range(63, -1, -1))
+    else:
+        assert rank.tolist() not in (list(range(64)), list(range(63, -1, -1)))
+        other = "shuffle:2" if order == "shuffle:1" else "shuffle:1"
+        monkeypatch.setenv("OIQ_EMU_ORDERS", other)
+        again = launch(_RANK, inputs=[], grid=(64, 1, 1), threadgroup=(64, 1, 1), output_shapes=[(64,)],
+                       output_dtypes=[mx.uint32])[0]
+        assert not np.array_equal(np.array(again), rank)  # seeds give different orders
 
 
 def test_threadgroup_memory_is_poisoned_per_group():
@@ -170,10 +207,22 @@ def test_simd_collectives():
     assert np.array_equal(sg, np.tile(np.repeat([0, 1], 32), 2))
 
 
-def test_simd_sum_in_partial_simdgroup_counts_active_lanes():
-    (out,) = launch(_SIMD, inputs=[mx.ones((40,))], grid=(40, 1, 1), threadgroup=(64, 1, 1),
-                    output_shapes=[(40,)] * 8, output_dtypes=[mx.float32] * 6 + [mx.int32, mx.uint32])[:1]
-    assert np.array(out).tolist() == [32.0] * 32 + [8.0] * 8
+def test_partial_simdgroup_is_refused_for_simd_kernels():
+    # Metal forms simdgroups of 32 threads; a kernel using simd_* on a 40-thread grid would
+    # reduce over 8 lanes in the last group: refused before running.
+    with pytest.raises(MetalEmuError, match=r"partial simdgroup"):
+        launch(_SIMD, inputs=[mx.ones((40,))], grid=(40, 1, 1), threadgroup=(64, 1, 1),
+               output_shapes=[(40,)] * 8, output_dtypes=[mx.float32] * 6 + [mx.int32, mx.uint32])
+    with pytest.raises(MetalEmuError, match=r"16x1x1 = 16 threads"):
+        launch(_SIMD, inputs=[mx.ones((64,))], grid=(64, 1, 1), threadgroup=(16, 1, 1),
+               output_shapes=[(64,)] * 8, output_dtypes=[mx.float32] * 6 + [mx.int32, mx.uint32])
+
+
+def test_too_many_threads_per_threadgroup_is_refused():
+    with pytest.raises(MetalEmuError, match="at most 1024"):
+        launch(_AXPB, inputs=[mx.zeros((8,)), mx.zeros((8,)), 1.0, 8], template=[("T", mx.float32)],
+               grid=(2048, 1, 1), threadgroup=(2048, 1, 1), output_shapes=[(8,)],
+               output_dtypes=[mx.float32])
 
 
 # ---------------------------------------------------------------- scalars and shapes
@@ -281,9 +330,96 @@ def test_simdgroup_matrix_is_unsupported():
 
 def test_out_of_bounds_write_raises():
     k = _kernel("emu_oob", "out[thread_position_in_grid.x + 1] = 1.0f;", [], ["out"])
-    with pytest.raises(MetalEmuError, match="wrote outside buffer 'out'"):
+    with pytest.raises(MetalEmuError, match=r"thread \(3, 0, 0\) wrote 4 bytes at byte offset 16 .* "
+                                            r"output 'out' .* outside the array"):
         launch(k, inputs=[], grid=(4, 1, 1), threadgroup=(4, 1, 1), output_shapes=[(4,)],
                output_dtypes=[mx.float32])
+
+
+_STRIDED_COPY_SOURCE = """
+    uint i = thread_position_in_grid.x;
+    uint j = thread_position_in_grid.y;
+    out[i * x_shape[1] + j] = x[i * x_strides[0] + j * x_strides[1] + EXTRA];
+    if (i == 0 && j == 0) { meta[0] = x_strides[0]; meta[1] = x_strides[1]; }
+"""
+_STRIDED_COPY = mx.fast.metal_kernel(name="emu_strided", input_names=["x"], output_names=["out", "meta"],
+                                     source=_STRIDED_COPY_SOURCE, ensure_row_contiguous=False)
+
+
+def _strided_copy(x, extra=0):
+    return launch(_STRIDED_COPY, inputs=[x], template=[("EXTRA", extra)], grid=(x.shape[0], x.shape[1], 1),
+                  threadgroup=(1, 1, 1), output_shapes=[x.shape, (2,)], output_dtypes=[mx.float32, mx.int64])
+
+
+def test_inputs_keep_their_strides_offsets_and_broadcasts():
+    # A slice of a larger buffer and a stride-0 broadcast reach an ensure_row_contiguous=False
+    # kernel as MLX binds them, not as dense copies.
+    base = mx.arange(6 * 10, dtype=mx.float32).reshape(6, 10)
+    view = base[1:5, 2:5]
+    out, meta = _strided_copy(view)
+    assert np.array(meta).tolist() == [10, 1]
+    assert np.array_equal(np.array(out), np.array(view))
+    row = mx.broadcast_to(mx.array([1.0, 2.0, 3.0]), (4, 3))
+    out, meta = _strided_copy(row)
+    assert np.array(meta).tolist() == [0, 1]
+    assert np.array_equal(np.array(out), np.array(row))
+    # ensure_row_contiguous=True kernels get MLX's contiguous copy instead.
+    out, meta = launch(_kernel("emu_strided_rc", _STRIDED_COPY_SOURCE, ["x"], ["out", "meta"]),
+                       inputs=[view], template=[("EXTRA", 0)], grid=(4, 3, 1), threadgroup=(1, 1, 1),
+                       output_shapes=[(4, 3), (2,)], output_dtypes=[mx.float32, mx.int64])
+    assert np.array(meta).tolist() == [3, 1] and np.array_equal(np.array(out), np.array(view))
+
+
+def test_out_of_bounds_read_raises():
+    x = mx.arange(12, dtype=mx.float32).reshape(4, 3)
+    with pytest.raises(MetalEmuError, match=r"read 4 bytes at byte offset 48 .* input 'x' .* outside the array"):
+        _strided_copy(x, extra=1)
+
+
+def test_read_between_the_elements_of_a_slice_raises():
+    # x[:, :3] of a (4, 10) buffer: element 3 of a row lies in the parent buffer, not in
+    # the view; on a GPU the read would return stale data from the capacity buffer.
+    base = mx.arange(40, dtype=mx.float32).reshape(4, 10)
+    with pytest.raises(MetalEmuError, match=r"input 'x' \(shape \(4, 3\), byte strides \(40, 4\)\), "
+                                            r"inside the span of its elements but in a gap"):
+        _strided_copy(base[:, :3], extra=1)
+
+
+_AS_HEADER = """
+template <typename P>
+METAL_FUNC float first_any(P p) { return float(p[0]); }
+METAL_FUNC float first_device(const device float* p) { return p[0]; }
+"""
+
+
+@pytest.mark.parametrize("n, call, ok", [
+    (16, "first_device(x)", True),      # 16 elements: `const device float*`
+    (4, "first_device(x)", False),      # 4 elements: MLX declares `const constant float*`
+    (4, "first_any(x)", True),          # a template on the pointer type takes either
+])
+def test_address_spaces_are_types(n, call, ok):
+    k = _kernel(f"emu_as_{n}_{ok}", f"out[0] = {call};", ["x"], ["out"], header=_AS_HEADER)
+    args = dict(inputs=[mx.arange(n, dtype=mx.float32) + 1], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                output_shapes=[(1,)], output_dtypes=[mx.float32])
+    if ok:
+        assert launch(k, **args)[0].item() == 1.0
+    else:
+        with pytest.raises(metal_emu.MetalEmuCompileError,
+                           match=r"cannot pass pointer to address space '2' \(constant\) as a pointer to "
+                                 r"address space '1' \(device\)"):
+            launch(k, **args)
+
+
+def test_threadgroup_memory_limit():
+    src = "threadgroup float buf[N]; buf[thread_position_in_threadgroup.x] = 1.0f; out[0] = buf[0];"
+    k = _kernel("emu_tg_limit", src, [], ["out"])
+    args = dict(inputs=[], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                output_dtypes=[mx.float32])
+    launch(k, template=[("N", 8192)], **args)  # exactly 32 KiB
+    name = next(n for n in metal_emu.emulator.RESOURCES if n.startswith("custom_kernel_emu_tg_limit"))
+    assert metal_emu.emulator.RESOURCES[name]["threadgroup_bytes"] == 32768
+    with pytest.raises(MetalEmuError, match="32772 bytes of threadgroup memory; Metal allows 32768"):
+        launch(k, template=[("N", 8193)], **args)
 
 
 def test_compile_error_names_the_line():

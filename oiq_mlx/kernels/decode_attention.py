@@ -18,6 +18,12 @@ ROWS_PER_THREADGROUP = 4
 _MASK_NONE, _MASK_CAUSAL, _MASK_BOOL, _MASK_ADD = 0, 1, 2, 3
 
 
+def query_rows_per_chunk(rows: int) -> int:
+    """QB, the query rows one simdgroup serves: the power of two >= rows, at most MAX_QUERY_ROWS
+    (powers of two only, so that few kernel instantiations exist; padded rows are skipped)."""
+    return min(MAX_QUERY_ROWS, 1 << max(0, rows - 1).bit_length())
+
+
 def _attention_kernel():
     return build_kernel(
         "oiq_decode_attention", "decode_attention.metal",
@@ -49,7 +55,8 @@ def _sink_rows(sinks: mx.array, B: int, n_q: int, L: int) -> mx.array:
 def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_size: int,
                      mask=None, sinks: mx.array | None = None, v_mean: mx.array | None = None,
                      v_signs: mx.array | None = None, keys_per_part_: int | None = None) -> mx.array:
-    """Attention of few rotated queries over an OIQ cache's segments; equals
+    """Attention of few rotated queries over an OIQ cache's segments (keys and values of the same
+    head dimension); equals
     ``attention._decode_reference`` (then ``+ v_mean`` and ``rotation.unrotate(., v_signs)`` when
     those are given), within float32 rounding.
 
@@ -83,10 +90,14 @@ def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_s
     else:
         n_quant = 0
         dv = ref.shape[-1]
+        # placeholders of one packed vector: at low bits they are small enough (< 8
+        # elements) that MLX binds them `constant`, which the kernel accepts
         kc = mx.zeros((1, 1, 1, dk * k_bits // 32), mx.uint32)
         vc = mx.zeros((1, 1, 1, dv * v_bits // 32), mx.uint32)
         ks = mx.zeros((1, 1, 1, dk // group_size), mx.float16)
         vs = mx.zeros((1, 1, 1, dv // group_size), mx.float16)
+    if dk != dv:
+        raise ValueError(f"the decode kernels serve equal key and value head dimensions, got {dk} and {dv}")
     fp_dtype = (sink_k if sink_k is not None else recent_k).dtype if (n_sink or n_recent) else mx.float32
     if sink_k is None:
         sink_k, sink_v = mx.zeros((1, 1, 1, dk), fp_dtype), mx.zeros((1, 1, 1, dv), fp_dtype)
@@ -95,27 +106,29 @@ def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_s
     T = n_sink + n_quant + n_recent
 
     if mask is None or (isinstance(mask, str) and L == 1):
-        mode, mask_arr = _MASK_NONE, mx.zeros((1, 1, 1, 1), mx.bool_)
+        mode, mask_arr = _MASK_NONE, mx.zeros((1, 1, 1, 1), mx.float32)
     elif isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unsupported mask {mask!r}")
-        mode, mask_arr = _MASK_CAUSAL, mx.zeros((1, 1, 1, 1), mx.bool_)
+        mode, mask_arr = _MASK_CAUSAL, mx.zeros((1, 1, 1, 1), mx.float32)
     else:
+        # converted before broadcasting: one float32 copy of the mask as given, read through
+        # stride-0 axes (bool: nonzero keeps; float16/bfloat16 convert exactly)
         mode = _MASK_BOOL if mask.dtype == mx.bool_ else _MASK_ADD
-        mask_arr = mx.broadcast_to(mask, (B, n_q, L, T))
+        mask_arr = mx.broadcast_to(mask.astype(mx.float32), (B, n_q, L, T))
 
     rows = rep * L
-    qb = min(rows, MAX_QUERY_ROWS)
+    qb = query_rows_per_chunk(rows)
     nqc = math.ceil(rows / qb)
     kpp = keys_per_part_ or keys_per_part(T, B * n_kv * nqc)
     n_parts = math.ceil(T / kpp)
-    params = mx.array([n_sink, n_quant, n_recent, n_kv, rep, L, kpp, nqc], mx.int32)
+    params = mx.array([n_sink, n_quant, n_recent, n_kv, rep, L, kpp, nqc, k_bits, v_bits, group_size, mode],
+                      mx.int32)
     part_o, part_ml = _launch.launch(
         _attention_kernel(),
         inputs=[mx.contiguous(q.astype(mx.float32)), sink_k, sink_v, kc, ks, vc, vs, recent_k, recent_v,
                 mask_arr, params],
-        template=[("FT", fp_dtype), ("MT", mask_arr.dtype), ("DK", dk), ("DV", dv), ("KBITS", k_bits),
-                  ("VBITS", v_bits), ("GROUP", group_size), ("QB", qb), ("MASK_MODE", mode)],
+        template=[("FT", fp_dtype), ("D", dk), ("QB", qb)],
         grid=(32, n_parts, B * n_kv * nqc),
         threadgroup=(32, min(PARTS_PER_THREADGROUP, n_parts), 1),
         output_shapes=[(B * n_kv * nqc, n_parts, qb, dv), (B * n_kv * nqc, n_parts, qb, 2)],
@@ -130,9 +143,9 @@ def decode_attention(q: mx.array, *, segments, k_bits: int, v_bits: int, group_s
                 _sink_rows(sinks, B, n_q, L) if has_sinks else mx.zeros((1,), mx.float32),
                 v_mean.astype(mx.float32) if has_mean else mx.zeros((1,), mx.float32),
                 v_signs.astype(mx.float32) if unrotate else mx.zeros((1,), mx.float32),
-                1.0 / math.sqrt(dv), mx.array([n_kv, rep, L, n_parts, nqc], mx.int32)],
-        template=[("DV", dv), ("QB", qb), ("HAS_SINKS", has_sinks), ("HAS_MEAN", has_mean),
-                  ("UNROTATE", unrotate)],
+                1.0 / math.sqrt(dv),
+                mx.array([n_kv, rep, L, n_parts, nqc, qb, has_sinks, has_mean, unrotate], mx.int32)],
+        template=[("D", dv)],
         grid=(32, n_rows, 1),
         threadgroup=(32, min(ROWS_PER_THREADGROUP, n_rows), 1),
         output_shapes=[(B, n_q, L, dv)],

@@ -13,7 +13,8 @@ ROWS_PER_THREADGROUP = 4
 
 
 def _kernel():
-    return build_kernel("oiq_dequantize", "dequantize.metal", ("codes", "scales", "signs", "rot_scale"), ("out",))
+    return build_kernel("oiq_dequantize", "dequantize.metal", ("codes", "scales", "signs", "rot_scale", "params"),
+                        ("out",))
 
 
 def dequantize(codes: mx.array, scales: mx.array, *, bits: int, group_size: int,
@@ -43,8 +44,8 @@ def dequantize(codes: mx.array, scales: mx.array, *, bits: int, group_size: int,
     (out,) = _launch.launch(
         _kernel(),
         inputs=[codes.reshape(n, -1), scales.astype(mx.float16).reshape(n, -1), signs.astype(mx.float32),
-                1.0 / math.sqrt(d)],
-        template=[("OutT", dtype), ("D", d), ("BITS", bits), ("GROUP", group_size), ("UNROTATE", unrotate)],
+                1.0 / math.sqrt(d), mx.array([bits, group_size, int(unrotate)], mx.int32)],
+        template=[("OutT", dtype), ("D", d)],
         grid=(32, n, 1),
         threadgroup=(32, rows, 1),
         output_shapes=[(n, d)],

@@ -13,7 +13,8 @@ ROWS_PER_THREADGROUP = 4
 
 
 def _kernel():
-    return build_kernel("oiq_quantize", "quantize.metal", ("x", "signs", "rot_scale"), ("codes", "scales"))
+    return build_kernel("oiq_quantize", "quantize.metal", ("x", "signs", "rot_scale", "params"),
+                        ("codes", "scales"))
 
 
 def quantize(x: mx.array, *, bits: int, group_size: int, signs: mx.array | None = None):
@@ -38,9 +39,9 @@ def quantize(x: mx.array, *, bits: int, group_size: int, signs: mx.array | None 
         return mx.zeros((*lead, d * bits // 32), mx.uint32), mx.zeros((*lead, d // group_size), mx.float16)
     codes, scales = _launch.launch(
         _kernel(),
-        inputs=[x.reshape(n, d), signs.astype(mx.float32), 1.0 / math.sqrt(d)],
-        template=[("T", x.dtype), ("D", d), ("BITS", bits), ("GROUP", group_size), ("ROTATE", rotate),
-                  ("ROWS", ROWS_PER_THREADGROUP)],
+        inputs=[x.reshape(n, d), signs.astype(mx.float32), 1.0 / math.sqrt(d),
+                mx.array([bits, group_size, int(rotate)], mx.int32)],
+        template=[("T", x.dtype), ("D", d), ("ROWS", ROWS_PER_THREADGROUP)],
         grid=(32, n, 1),
         threadgroup=(32, min(ROWS_PER_THREADGROUP, n), 1),
         output_shapes=[(n, d * bits // 32), (n, d // group_size)],

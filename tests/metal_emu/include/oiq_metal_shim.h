@@ -14,13 +14,23 @@
 #include <type_traits>
 #include <ucontext.h>
 
-// Address spaces have no meaning on the CPU. `threadgroup` declarations of
-// arrays are rewritten to registered statics by the Python side before this
-// macro sees them; the ones left are pointer/reference qualifiers.
+// Address spaces. The emulator compiles every kernel twice with clang:
+// once with OIQ_EMU_ADDRESS_SPACES, where device, constant and threadgroup are
+// distinct clang address spaces (types), so that a pointer of one space passed
+// where another is declared fails to compile as it does in Metal (only the
+// diagnostics of that build are used), and once without, the build that runs.
+// `thread` is the default space in both.  `threadgroup` declarations of arrays
+// are rewritten to registered statics by the Python side.
+#ifdef OIQ_EMU_ADDRESS_SPACES
+#define device __attribute__((address_space(1)))
+#define constant __attribute__((address_space(2)))
+#define threadgroup __attribute__((address_space(3)))
+#else
 #define device
 #define constant
-#define thread
 #define threadgroup
+#endif
+#define thread
 #define METAL_FUNC inline
 #define METAL_CONST_FUNC inline
 #define MAXFLOAT 3.40282347e+38F
@@ -29,16 +39,17 @@ typedef uint32_t uint;
 typedef uint16_t ushort;
 typedef uint8_t uchar;
 typedef uint64_t ulong;
-typedef _Float16 half;
-typedef _Float16 float16_t;
 
 namespace oiq {
 
 template <class T>
-struct is_num : std::integral_constant<bool, std::is_arithmetic<T>::value ||
-                                                 std::is_same<T, _Float16>::value> {};
+struct is_num : std::integral_constant<bool, std::is_arithmetic<T>::value> {};
 
-// ---------------------------------------------------------------- bfloat16
+// ---------------------------------------------------------------- 16-bit floats
+// half and bfloat16_t are structs holding the bits (clang 14 has no x86
+// _Float16): every operation converts to float, computes, and rounds back
+// (round to nearest even), which is exactly IEEE half/bfloat16 arithmetic for
+// single + - * / (float has more than 2p+2 bits).
 inline uint16_t f32_to_bf16_bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -52,62 +63,132 @@ inline float bf16_bits_to_f32(uint16_t b) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline uint16_t f32_to_f16_bits(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  uint32_t sign = (x >> 16) & 0x8000u;
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax > 0x7f800000u) return uint16_t(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));  // quiet NaN
+  if (ax >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // >= 65520 rounds to infinity
+  if (ax < 0x38800000u) {  // below 2^-14: a half subnormal (x * 2^24 is exact in float)
+    float v;
+    std::memcpy(&v, &ax, 4);
+    return uint16_t(sign | uint32_t(std::nearbyint(v * 16777216.0f)));
+  }
+  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
+  uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // a carry may reach the exponent
+  return uint16_t(sign | h);
+}
+inline float f16_bits_to_f32(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0) {
+    float v = float(m) * 5.9604644775390625e-08f;  // m * 2^-24
+    return sign ? -v : v;
+  }
+  uint32_t x = e == 31 ? (sign | 0x7f800000u | (m << 13)) : (sign | ((e + 112u) << 23) | (m << 13));
+  float f;
+  std::memcpy(&f, &x, 4);
+  return f;
+}
 
 }  // namespace oiq
 
-struct bfloat16_t {
-  uint16_t bits_;
-  bfloat16_t() = default;
-  template <class T, class = std::enable_if_t<oiq::is_num<T>::value>>
-  constexpr bfloat16_t(T v) : bits_(oiq::f32_to_bf16_bits(float(v))) {}
-  operator float() const { return oiq::bf16_bits_to_f32(bits_); }
-  bfloat16_t operator-() const { return bfloat16_t(-float(*this)); }
-};
-typedef bfloat16_t bfloat;
-
-#define OIQ_BF_BINOP(op)                                                          \
-  inline bfloat16_t operator op(bfloat16_t a, bfloat16_t b) {                    \
-    return bfloat16_t(float(a) op float(b));                                     \
-  }                                                                              \
-  template <class T, class = std::enable_if_t<oiq::is_num<T>::value>>            \
-  inline auto operator op(bfloat16_t a, T b) {                                   \
-    return std::conditional_t<std::is_integral<T>::value, bfloat16_t, float>(    \
-        float(a) op float(b));                                                   \
-  }                                                                              \
-  template <class T, class = std::enable_if_t<oiq::is_num<T>::value>>            \
-  inline auto operator op(T a, bfloat16_t b) {                                   \
-    return std::conditional_t<std::is_integral<T>::value, bfloat16_t, float>(    \
-        float(a) op float(b));                                                   \
-  }                                                                              \
-  template <class T>                                                             \
-  inline bfloat16_t& operator op##=(bfloat16_t& a, T b) {                        \
-    a = bfloat16_t(float(a) op float(b));                                        \
-    return a;                                                                    \
-  }
-OIQ_BF_BINOP(+)
-OIQ_BF_BINOP(-)
-OIQ_BF_BINOP(*)
-OIQ_BF_BINOP(/)
-#undef OIQ_BF_BINOP
-
-#define OIQ_BF_CMP(op)                                                                \
-  inline bool operator op(bfloat16_t a, bfloat16_t b) { return float(a) op float(b); } \
-  template <class T, class = std::enable_if_t<oiq::is_num<T>::value>>                \
-  inline bool operator op(bfloat16_t a, T b) { return float(a) op float(b); }        \
-  template <class T, class = std::enable_if_t<oiq::is_num<T>::value>>                \
-  inline bool operator op(T a, bfloat16_t b) { return float(a) op float(b); }
-OIQ_BF_CMP(<)
-OIQ_BF_CMP(>)
-OIQ_BF_CMP(<=)
-OIQ_BF_CMP(>=)
-OIQ_BF_CMP(==)
-OIQ_BF_CMP(!=)
-#undef OIQ_BF_CMP
-
+#ifdef OIQ_EMU_ADDRESS_SPACES
+// Type-checking build only: clang (unlike Metal) cannot call a member
+// function on an object in another address space, so the 16-bit floats are
+// distinct builtin floating types there.  That build is never run.
+typedef long double half;
+typedef __float128 bfloat16_t;
 namespace oiq {
 template <>
 struct is_num<bfloat16_t> : std::true_type {};
 }  // namespace oiq
+#else
+struct half;
+struct bfloat16_t;
+namespace oiq {
+template <>
+struct is_num<half> : std::true_type {};
+template <>
+struct is_num<bfloat16_t> : std::true_type {};
+}  // namespace oiq
+#define OIQ_F16_TYPE(NAME, TO_BITS, FROM_BITS)                                   \
+  struct NAME {                                                                  \
+    uint16_t bits_;                                                              \
+    NAME() = default;                                                            \
+    template <class T, class = std::enable_if_t<oiq::is_num<T>::value>>          \
+    NAME(T v) : bits_(oiq::TO_BITS(float(v))) {}                                 \
+    operator float() const { return oiq::FROM_BITS(bits_); }                     \
+    NAME operator-() const { return NAME(-float(*this)); }                       \
+    static NAME from_bits(uint16_t b) {                                          \
+      NAME r;                                                                    \
+      r.bits_ = b;                                                               \
+      return r;                                                                  \
+    }                                                                            \
+  };
+OIQ_F16_TYPE(half, f32_to_f16_bits, f16_bits_to_f32)
+OIQ_F16_TYPE(bfloat16_t, f32_to_bf16_bits, bf16_bits_to_f32)
+#undef OIQ_F16_TYPE
+namespace oiq {
+template <class T>
+struct is_f16 : std::integral_constant<bool, std::is_same<T, half>::value ||
+                                                 std::is_same<T, bfloat16_t>::value> {};
+}  // namespace oiq
+
+// Same-type operations stay in the type; with an integer too; with float
+// (or double) they give float, as in Metal.
+#define OIQ_F16_BINOP(op)                                                              \
+  template <class H, class = std::enable_if_t<oiq::is_f16<H>::value>>                  \
+  inline H operator op(H a, H b) {                                                     \
+    return H(float(a) op float(b));                                                    \
+  }                                                                                    \
+  template <class H, class T,                                                          \
+            class = std::enable_if_t<oiq::is_f16<H>::value && std::is_arithmetic<T>::value>> \
+  inline auto operator op(H a, T b) {                                                  \
+    return std::conditional_t<std::is_integral<T>::value, H, float>(float(a) op float(b)); \
+  }                                                                                    \
+  template <class H, class T,                                                          \
+            class = std::enable_if_t<oiq::is_f16<H>::value && std::is_arithmetic<T>::value>> \
+  inline auto operator op(T a, H b) {                                                  \
+    return std::conditional_t<std::is_integral<T>::value, H, float>(float(a) op float(b)); \
+  }                                                                                    \
+  template <class H, class T, class = std::enable_if_t<oiq::is_f16<H>::value>>         \
+  inline H& operator op##=(H& a, T b) {                                                \
+    a = H(float(a) op float(b));                                                       \
+    return a;                                                                          \
+  }
+OIQ_F16_BINOP(+)
+OIQ_F16_BINOP(-)
+OIQ_F16_BINOP(*)
+OIQ_F16_BINOP(/)
+#undef OIQ_F16_BINOP
+
+#define OIQ_F16_CMP(op)                                                                \
+  template <class H, class = std::enable_if_t<oiq::is_f16<H>::value>>                  \
+  inline bool operator op(H a, H b) {                                                  \
+    return float(a) op float(b);                                                       \
+  }                                                                                    \
+  template <class H, class T,                                                          \
+            class = std::enable_if_t<oiq::is_f16<H>::value && std::is_arithmetic<T>::value>> \
+  inline bool operator op(H a, T b) {                                                  \
+    return float(a) op float(b);                                                       \
+  }                                                                                    \
+  template <class H, class T,                                                          \
+            class = std::enable_if_t<oiq::is_f16<H>::value && std::is_arithmetic<T>::value>> \
+  inline bool operator op(T a, H b) {                                                  \
+    return float(a) op float(b);                                                       \
+  }
+OIQ_F16_CMP(<)
+OIQ_F16_CMP(>)
+OIQ_F16_CMP(<=)
+OIQ_F16_CMP(>=)
+OIQ_F16_CMP(==)
+OIQ_F16_CMP(!=)
+#undef OIQ_F16_CMP
+#endif
+typedef half float16_t;
+typedef bfloat16_t bfloat;
 
 // ---------------------------------------------------------------- vectors
 template <class T, int N>
@@ -238,20 +319,29 @@ struct numeric_limits : std::numeric_limits<T> {};
 template <>
 struct numeric_limits<half> {
   static constexpr bool is_specialized = true;
-  static constexpr half max() { return half(65504.0f); }
-  static constexpr half min() { return half(6.103515625e-05f); }
-  static constexpr half lowest() { return half(-65504.0f); }
-  static constexpr half epsilon() { return half(0.0009765625f); }
-  static constexpr half infinity() { return half(__builtin_inff()); }
-  static constexpr half quiet_NaN() { return half(__builtin_nanf("")); }
+  static half from_bits(uint16_t b) {
+#ifdef OIQ_EMU_ADDRESS_SPACES
+    return half(oiq::f16_bits_to_f32(b));
+#else
+    return half::from_bits(b);
+#endif
+  }
+  static half max() { return from_bits(0x7bff); }
+  static half min() { return from_bits(0x0400); }
+  static half lowest() { return from_bits(0xfbff); }
+  static half epsilon() { return from_bits(0x1400); }
+  static half infinity() { return from_bits(0x7c00); }
+  static half quiet_NaN() { return from_bits(0x7e00); }
 };
 template <>
 struct numeric_limits<bfloat16_t> {
   static constexpr bool is_specialized = true;
   static bfloat16_t from_bits(uint16_t b) {
-    bfloat16_t r;
-    r.bits_ = b;
-    return r;
+#ifdef OIQ_EMU_ADDRESS_SPACES
+    return bfloat16_t(oiq::bf16_bits_to_f32(b));
+#else
+    return bfloat16_t::from_bits(b);
+#endif
   }
   static bfloat16_t max() { return from_bits(0x7f7f); }
   static bfloat16_t min() { return from_bits(0x0080); }
@@ -455,7 +545,8 @@ struct Limits<bool> {
 };
 
 template <typename IdxT = int64_t>
-inline IdxT elem_to_loc(IdxT elem, const int* shape, const int64_t* strides, int ndim) {
+inline IdxT elem_to_loc(IdxT elem, constant const int* shape, constant const int64_t* strides,
+                        int ndim) {
   IdxT loc = 0;
   for (int i = ndim - 1; i >= 0 && elem > 0; --i) {
     loc += (elem % shape[i]) * IdxT(strides[i]);
@@ -464,7 +555,8 @@ inline IdxT elem_to_loc(IdxT elem, const int* shape, const int64_t* strides, int
   return loc;
 }
 template <typename IdxT = int64_t>
-inline IdxT elem_to_loc(uint3 elem, const int* shape, const int64_t* strides, int ndim) {
+inline IdxT elem_to_loc(uint3 elem, constant const int* shape, constant const int64_t* strides,
+                        int ndim) {
   IdxT loc = IdxT(elem.x) * IdxT(strides[ndim - 1]) + IdxT(elem.y) * IdxT(strides[ndim - 2]);
   for (int d = ndim - 3; d >= 0; --d) {
     loc += (elem.z % shape[d]) * IdxT(strides[d]);
@@ -526,7 +618,13 @@ struct Group {
   void* closure = nullptr;
   TgArray tg[64];
   int ntg = 0;
+  size_t tg_bytes = 0;  // threadgroup memory declared so far in this group
+  int order = 0;        // 0 forward, 1 reverse, else the seed of a shuffle
+  uint32_t rng = 1;
 };
+
+// Metal's limit on threadgroup memory per threadgroup (Apple GPUs: 32 KiB).
+constexpr size_t TG_MEMORY_LIMIT = 32768;
 
 inline Group*& group() {
   static Group* g = nullptr;
@@ -559,7 +657,54 @@ inline void tg_register(void* p, size_t bytes) {
   for (int i = 0; i < g->ntg; ++i)
     if (g->tg[i].ptr == p) return;
   if (g->ntg < 64) g->tg[g->ntg++] = TgArray{p, bytes};
+  g->tg_bytes += bytes;
+  if (g->tg_bytes > TG_MEMORY_LIMIT) {
+    char msg[160];
+    std::snprintf(msg, sizeof(msg),
+                  "the kernel declares %zu bytes of threadgroup memory; Metal allows %zu",
+                  g->tg_bytes, TG_MEMORY_LIMIT);
+    fail(msg);
+    yield_to_scheduler();
+  }
   std::memset(p, 0xFF, bytes);
+}
+
+// Bounds of device memory (the buffers of one launch, laid out by the Python
+// side in one arena) and its shadow: one byte per arena byte, 1 where an input
+// element lies, 2 where an output element lies, 0 in gaps and guards.  Every
+// load and store of the kernel is reported to the hooks below (clang's
+// -fsanitize-coverage=trace-loads,trace-stores); one outside the elements of
+// the array it was meant for fails the launch.
+struct Arena {
+  uintptr_t lo = 0;
+  uintptr_t size = 0;
+  const unsigned char* shadow = nullptr;
+  int64_t* fault = nullptr;  // kind (1 read, 2 write), offset, bytes, thread x, y, z
+};
+inline Arena& arena() {
+  static Arena a;
+  return a;
+}
+
+__attribute__((no_sanitize("coverage"))) inline void check_access(const void* p, int bytes,
+                                                                   int kind) {
+  Arena& a = arena();
+  uintptr_t off = uintptr_t(p) - a.lo;
+  if (off >= a.size) return;
+  bool ok = off + uintptr_t(bytes) <= a.size;
+  for (int i = 0; ok && i < bytes; ++i) {
+    unsigned char sh = a.shadow[off + i];
+    ok = sh == 2 || (sh == 1 && kind == 1);
+  }
+  if (ok) return;
+  Group* g = group();
+  if (g == nullptr || g->failed) return;
+  const ThreadInfo& ti = g->fibers[g->cur].ti;
+  int64_t rec[6] = {kind, int64_t(off), bytes, ti.thread_position_in_grid.x,
+                    ti.thread_position_in_grid.y, ti.thread_position_in_grid.z};
+  std::memcpy(a.fault, rec, sizeof(rec));
+  fail(kind == 1 ? "out-of-bounds read" : "out-of-bounds write");
+  yield_to_scheduler();
 }
 
 enum SimdOp {
@@ -769,9 +914,31 @@ inline bool settle(Group* g) {
 
 constexpr size_t STACK_BYTES = 256 * 1024;
 
+// Execution order of the runnable fibers between synchronisation points, and
+// of the threadgroups: forward, reverse, or a shuffle (re-drawn every round).
+__attribute__((no_sanitize("coverage"))) inline uint32_t next_random(uint32_t& s) {
+  s ^= s << 13;
+  s ^= s >> 17;
+  s ^= s << 5;
+  return s;
+}
+inline uint64_t gcd(uint64_t a, uint64_t b) { return b ? gcd(b, a % b) : a; }
+inline void order_indices(int order, uint32_t& rng, int* idx, int n) {
+  for (int i = 0; i < n; ++i) idx[i] = order == 1 ? n - 1 - i : i;
+  if (order >= 2) {
+    for (int i = n - 1; i > 0; --i) {
+      int j = int(next_random(rng) % uint32_t(i + 1));
+      int t = idx[i];
+      idx[i] = idx[j];
+      idx[j] = t;
+    }
+  }
+}
+
 // Returns 0 on success, 1 on a detected error (message in err).
 template <class F>
-inline int run_grid(const uint32_t* grid, const uint32_t* tgsize, F& body, char* err, int errlen) {
+inline int run_grid(const uint32_t* grid, const uint32_t* tgsize, int order, int64_t* stats, F& body,
+                    char* err, int errlen) {
   static Fiber* fibers = nullptr;
   static int capacity = 0;
   uint32_t tgn = tgsize[0] * tgsize[1] * tgsize[2];
@@ -788,9 +955,26 @@ inline int run_grid(const uint32_t* grid, const uint32_t* tgsize, F& body, char*
   uint32_t ngroups[3];
   for (int d = 0; d < 3; ++d) ngroups[d] = (grid[d] + tgsize[d] - 1) / tgsize[d];
   uint dispatch_simds = (tgn + SIMD_WIDTH - 1) / SIMD_WIDTH;
-  for (uint32_t gz = 0; gz < ngroups[2]; ++gz)
-    for (uint32_t gy = 0; gy < ngroups[1]; ++gy)
-      for (uint32_t gx = 0; gx < ngroups[0]; ++gx) {
+  g.order = order;
+  g.rng = 0x9E3779B9u ^ uint32_t(order) * 2654435761u;
+  uint64_t total_groups = uint64_t(ngroups[0]) * ngroups[1] * ngroups[2];
+  int* perm = new int[tgn > 0 ? tgn : 1];
+  uint64_t gstride = 1, gstep = 1;
+  if (order >= 2) {  // a pseudo-random permutation: step coprime with the count
+    gstride = next_random(g.rng) % (total_groups ? total_groups : 1);
+    gstep = (next_random(g.rng) | 1u) % (total_groups ? total_groups : 1);
+    while (total_groups > 1 && gcd(gstep, total_groups) != 1) ++gstep;
+    if (gstep == 0) gstep = 1;
+  }
+  stats[0] = 0;
+  for (uint64_t gi = 0; gi < total_groups; ++gi) {
+    uint64_t lin = order == 1 ? total_groups - 1 - gi
+                              : order >= 2 ? (gstride + gi * gstep) % total_groups : gi;
+    uint32_t gx = uint32_t(lin % ngroups[0]);
+    uint32_t gy = uint32_t((lin / ngroups[0]) % ngroups[1]);
+    uint32_t gz = uint32_t(lin / (uint64_t(ngroups[0]) * ngroups[1]));
+    {
+      {
         uint32_t gpos[3] = {gx, gy, gz};
         uint32_t cnt[3];
         for (int d = 0; d < 3; ++d) {
@@ -800,6 +984,7 @@ inline int run_grid(const uint32_t* grid, const uint32_t* tgsize, F& body, char*
         int n = int(cnt[0] * cnt[1] * cnt[2]);
         g.n = n;
         g.ntg = 0;
+        g.tg_bytes = 0;
         for (int i = 0; i < n; ++i) {
           Fiber& f = fibers[i];
           uint32_t lx = uint32_t(i) % cnt[0], ly = (uint32_t(i) / cnt[0]) % cnt[1],
@@ -838,7 +1023,9 @@ inline int run_grid(const uint32_t* grid, const uint32_t* tgsize, F& body, char*
         }
         for (;;) {
           bool ran = false;
-          for (int i = 0; i < n; ++i) {
+          order_indices(order, g.rng, perm, n);
+          for (int k = 0; k < n; ++k) {
+            int i = perm[k];
             if (fibers[i].state != RUNNABLE) continue;
             ran = true;
             g.cur = i;
@@ -861,11 +1048,16 @@ inline int run_grid(const uint32_t* grid, const uint32_t* tgsize, F& body, char*
             std::snprintf(where, sizeof(where), " [threadgroup (%u, %u, %u)]", gx, gy, gz);
             std::snprintf(err, errlen, "%s%s", g.err, where);
             group() = nullptr;
+            delete[] perm;
             return 1;
           }
         }
+        if (int64_t(g.tg_bytes) > stats[0]) stats[0] = int64_t(g.tg_bytes);
       }
+    }
+  }
   group() = nullptr;
+  delete[] perm;
   return 0;
 }
 
@@ -934,4 +1126,23 @@ inline bool simd_is_first(const char* file = __builtin_FILE(), int line = __buil
   int lane = me % oiq::SIMD_WIDTH;
   uint32_t m = oiq::simd_collective<uint32_t>(oiq::OP_OR, 1u << lane, 0, file, line);
   return __builtin_ctz(m) == lane;
+}
+
+// Hooks of clang's -fsanitize-coverage=trace-loads,trace-stores (see oiq::Arena).
+extern "C" {
+#define OIQ_ACCESS_HOOKS(n)                                                               \
+  __attribute__((no_sanitize("coverage"))) void __sanitizer_cov_load##n(void* p) {        \
+    oiq::check_access(p, n, 1);                                                           \
+  }                                                                                       \
+  __attribute__((no_sanitize("coverage"))) void __sanitizer_cov_store##n(void* p) {       \
+    oiq::check_access(p, n, 2);                                                           \
+  }
+OIQ_ACCESS_HOOKS(1)
+OIQ_ACCESS_HOOKS(2)
+OIQ_ACCESS_HOOKS(4)
+OIQ_ACCESS_HOOKS(8)
+OIQ_ACCESS_HOOKS(16)
+#undef OIQ_ACCESS_HOOKS
+// The coverage flags themselves (one per function) are not used.
+__attribute__((no_sanitize("coverage"))) void __sanitizer_cov_bool_flag_init(bool*, bool*) {}
 }
