@@ -451,7 +451,7 @@ def _weights_via_mx_load(path):
         base, _, suffix = key.rpartition(".")
         if suffix in ("scales", "biases"):
             continue
-        if f"{base}.scales" in raw:
+        if suffix == "weight" and f"{base}.scales" in raw:
             s = raw[f"{base}.scales"]
             bits = value.shape[-1] * 32 // (s.shape[-1] * _GROUP_SIZE)
             out[key] = (value, s, raw[f"{base}.biases"], bits)
@@ -648,7 +648,8 @@ def load_gguf(path, *, dequantize: bool | None = None):
             if hasattr(m, "to_quantized")
             else False,
         )
-    weights = model.sanitize(weights)
+    if hasattr(model, "sanitize"):  # as mlx_lm.load: not every model class has one
+        weights = model.sanitize(weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:  # missing, extra or misshapen tensors
