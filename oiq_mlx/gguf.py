@@ -314,8 +314,11 @@ def build_tokenizer(meta: dict):
 
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = _bpe_pre_tokenizer(meta.get("tokenizer.ggml.pre", "gpt2"))
+        pre = meta.get("tokenizer.ggml.pre", "gpt2")
+        # Llama 3's tokenizer takes a pre-token that is itself in the vocabulary
+        # whole, without merging (ignore_merges, as llama.cpp does for llama-bpe).
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre == "llama-bpe"))
+        backend.pre_tokenizer = _bpe_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         detokenizer_class = BPEStreamingDetokenizer
     elif kind == "llama":

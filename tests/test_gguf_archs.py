@@ -50,12 +50,13 @@ CHATML = (
 
 
 def _bpe_vocab(writer, pre):
-    """A byte-level BPE vocabulary (Qwen-style): 256 byte symbols, a few merges, ChatML specials."""
+    """A byte-level BPE vocabulary (Qwen-style): 256 byte symbols, a few merges, ChatML specials,
+    and one word (" world") that no merge builds."""
     byte_chars = _bytes_to_unicode()
     space = byte_chars[ord(" ")]
     tokens = [byte_chars[b] for b in range(256)]
     merges = [("1", "2"), ("h", "e"), ("l", "l"), ("he", "ll"), (space, "w"), ("o", "r")]
-    tokens += ["".join(m) for m in merges]
+    tokens += ["".join(m) for m in merges] + [space + "world"]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens += specials
     types = [1] * (len(tokens) - len(specials)) + [3] * len(specials)
@@ -182,7 +183,7 @@ CASES = {
     "phi3-longrope": ("phi3", "phi3", _spm_vocab, {"original_max_position_embeddings": 1024,
                                                    "rope_scaling": _longrope(16)}),
 }
-VOCAB_SIZES = {"qwen2": 265, "qwen3": 265, "mistral": 275, "phi3": 275, "phi3-longrope": 275}
+VOCAB_SIZES = {"qwen2": 266, "qwen3": 266, "mistral": 275, "phi3": 275, "phi3-longrope": 275}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -231,15 +232,31 @@ def test_tokenizer_round_trips_and_chat_template(converted):
 
 def test_gpt2_pre_tokenizer_would_merge_the_digits(tmp_path):
     """The check above can fail: under GPT-2's split the merge "1 2" applies."""
-    model, args = _random_model("qwen2", 265)
+    model, args = _random_model("qwen2", 266)
     path = tmp_path / "gpt2pre.gguf"
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "gpt2"))
     _, tok = models.load(path, dequantize=True)
     assert tok.convert_ids_to_tokens(tok.encode("12")) == ["12"]
 
 
+def test_llama3_pre_tokenizer(tmp_path):
+    """llama-bpe: digits in runs of up to three, and whole-vocabulary words taken without merges."""
+    model, args = _random_model("qwen2", 266)
+    path = tmp_path / "llama3pre.gguf"
+    write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "llama-bpe"))
+    _, llama3 = models.load(path, dequantize=True)
+    assert llama3.convert_ids_to_tokens(llama3.encode("12")) == ["12"]
+    assert llama3.convert_ids_to_tokens(llama3.encode(" world")) == ["Ġworld"]
+    text = "hello world 12345\n\tünïcödé 🙂"
+    assert llama3.decode(llama3.encode(text)) == text
+    path = tmp_path / "qwen2pre.gguf"
+    write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "qwen2"))
+    _, qwen2 = models.load(path, dequantize=True)
+    assert qwen2.convert_ids_to_tokens(qwen2.encode(" world")) == ["Ġw", "or", "l", "d"]
+
+
 def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
-    model, args = _random_model("qwen2", 265)
+    model, args = _random_model("qwen2", 266)
     path = tmp_path / "odd.gguf"
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "deepseek-coder"))
     with pytest.raises(GGUFError, match="pre-tokenizer 'deepseek-coder'"):
@@ -248,7 +265,7 @@ def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
 
 def test_quantized_weights_load_for_new_archs(tmp_path):
     """Q8_0 tensors (read by mx.load) keep their layout for qwen2's biased projections."""
-    model, args = _random_model("qwen2", 265)
+    model, args = _random_model("qwen2", 266)
     path = tmp_path / "q8.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen2")
     for key, value in (("context_length", 4096), ("embedding_length", 64), ("block_count", 2),
