@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import math
 import struct
+import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -314,7 +315,11 @@ def build_tokenizer(meta: dict):
 
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        pre = meta.get("tokenizer.ggml.pre", "gpt2")
+        pre = meta.get("tokenizer.ggml.pre")
+        if pre is None:  # files from before llama.cpp recorded it
+            warnings.warn("GGUF has no tokenizer.ggml.pre: splitting text as GPT-2 does; token boundaries "
+                          "may differ from the model's own tokenizer", stacklevel=2)
+            pre = "gpt2"
         # Llama 3's tokenizer takes a pre-token that is itself in the vocabulary
         # whole, without merging (ignore_merges, as llama.cpp does for llama-bpe).
         backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre == "llama-bpe"))

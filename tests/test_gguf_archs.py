@@ -61,7 +61,8 @@ def _bpe_vocab(writer, pre):
     tokens += specials
     types = [1] * (len(tokens) - len(specials)) + [3] * len(specials)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre)
+    if pre is not None:
+        writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges([" ".join(m) for m in merges])
@@ -253,6 +254,15 @@ def test_llama3_pre_tokenizer(tmp_path):
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "qwen2"))
     _, qwen2 = models.load(path, dequantize=True)
     assert qwen2.convert_ids_to_tokens(qwen2.encode(" world")) == ["Ġw", "or", "l", "d"]
+
+
+def test_missing_pre_tokenizer_warns(tmp_path):
+    model, args = _random_model("qwen2", 266)
+    path = tmp_path / "nopre.gguf"
+    write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, None))
+    with pytest.warns(UserWarning, match="no tokenizer.ggml.pre: splitting text as GPT-2 does"):
+        _, tok = models.load(path, dequantize=True)
+    assert tok.convert_ids_to_tokens(tok.encode("12")) == ["12"]
 
 
 def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
