@@ -1,12 +1,18 @@
 """pyproject.toml declares what the package imports, and imports what it declares."""
 
 import ast
+import importlib
 import importlib.metadata
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer, models
+from transformers import PreTrainedTokenizerFast
+from transformers.utils import chat_template_utils
+
+from oiq_mlx.gguf import GEMMA_CHAT_TEMPLATE
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 
@@ -62,20 +68,24 @@ def test_every_dependency_is_imported_or_explained():
 
 
 def test_chat_templates_render_through_jinja2():
-    """The reason jinja2 is declared: transformers imports it to apply a chat template."""
-    from oiq_mlx.gguf import GEMMA_CHAT_TEMPLATE
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token="<bos>",
-                                  chat_template=GEMMA_CHAT_TEMPLATE)
-    text = tok.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi \n"},
-         {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
-        add_generation_prompt=True, tokenize=False,
-    )
-    assert "jinja2" in sys.modules
+    """The reason jinja2 is declared: transformers needs it to apply a chat template
+    (here the Gemma template gguf.py supplies)."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE()), bos_token="<bos>")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " Hi \n"},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]
+    text = tok.apply_chat_template(messages, chat_template=GEMMA_CHAT_TEMPLATE, add_generation_prompt=True,
+                                   tokenize=False)
     assert text == (
         "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n"
         "<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n"
     )
+    # the renderer is jinja2's (transformers leaves this None when jinja2 is missing)
+    assert chat_template_utils.jinja2 is sys.modules["jinja2"]
+
+
+def test_console_scripts_resolve():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"oiq-generate", "oiq-cache-prompt"}
+    for target in scripts.values():
+        module, _, function = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), function)), target
