@@ -341,8 +341,9 @@ def _main(argv) -> int:
                     f"--model {args.model} is not the model the prompt cache was made with ({stored_model})"
                 )
         model, tokenizer = load_from_args(args, name)
-        if len(cache) != len(make_prompt_cache(model)):
-            raise UsageError(f"the prompt cache has {len(cache)} layers; the model {name} has another count")
+        n_layers = len(make_prompt_cache(model))
+        if len(cache) != n_layers:
+            raise UsageError(f"the prompt cache has {len(cache)} layers, the model {name} {n_layers}")
     else:
         try:
             config = None if args.no_oiq else config_from_args(args)
