@@ -230,7 +230,15 @@ def _spm_merges(tokens, scores, token_types):
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3_SPLIT = _QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
-BPE_PRE_TOKENIZERS = ("gpt2", "smollm", "qwen2", "llama-bpe")
+# Mistral's Tekken: words split at lower-to-upper case changes ("HelloWorld" -> "Hello", "World")
+_TEKKEN_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                 r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                 r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+BPE_PRE_TOKENIZERS = ("gpt2", "smollm", "qwen2", "llama-bpe", "tekken")
+# Llama 3 and Tekken (tiktoken-style) take a pre-token that is itself in the
+# vocabulary whole, without merging, and add BOS unless the file says otherwise
+# (llama.cpp does both for these two).
+_IGNORE_MERGES = _BOS_BY_DEFAULT = ("llama-bpe", "tekken")
 
 
 def _bpe_pre_tokenizer(pre):
@@ -240,7 +248,7 @@ def _bpe_pre_tokenizer(pre):
         return gpt2
     if pre == "smollm":  # GPT-2's split after splitting digits one by one
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
-    split = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT}.get(pre)
+    split = {"qwen2": _QWEN2_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "tekken": _TEKKEN_SPLIT}.get(pre)
     if split is None:
         # Another split would give other token boundaries than the model was trained on.
         raise GGUFError(
@@ -309,20 +317,22 @@ def build_tokenizer(meta: dict):
         return tokens[i] if i is not None and 0 <= i < n else None
 
     bos, eos, unk, pad = (token_at(k) for k in ("bos", "eos", "unknown", "padding"))
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    pre = meta.get("tokenizer.ggml.pre")
+    if kind == "gpt2" and pre is None:  # files from before llama.cpp recorded it
+        warnings.warn("GGUF has no tokenizer.ggml.pre: splitting text as GPT-2 does; token boundaries "
+                      "may differ from the model's own tokenizer", stacklevel=2)
+        pre = "gpt2"
+    # llama.cpp's defaults where the file does not say: SentencePiece vocabularies
+    # add BOS and a leading space; byte-level BPE adds BOS for Llama 3 and Tekken.
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama" or pre in _BOS_BY_DEFAULT))
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
-    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", False))
+    add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", kind == "llama"))
 
     if kind == "gpt2":
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        pre = meta.get("tokenizer.ggml.pre")
-        if pre is None:  # files from before llama.cpp recorded it
-            warnings.warn("GGUF has no tokenizer.ggml.pre: splitting text as GPT-2 does; token boundaries "
-                          "may differ from the model's own tokenizer", stacklevel=2)
-            pre = "gpt2"
-        # Llama 3's tokenizer takes a pre-token that is itself in the vocabulary
-        # whole, without merging (ignore_merges, as llama.cpp does for llama-bpe).
-        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre == "llama-bpe"))
+        backend = Tokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+        )
         backend.pre_tokenizer = _bpe_pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
         detokenizer_class = BPEStreamingDetokenizer

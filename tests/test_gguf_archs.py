@@ -49,14 +49,14 @@ CHATML = (
 )
 
 
-def _bpe_vocab(writer, pre):
+def _bpe_vocab(writer, pre, add_bos=False):
     """A byte-level BPE vocabulary (Qwen-style): 256 byte symbols, a few merges, ChatML specials,
-    and one word (" world") that no merge builds."""
+    and two words (" world", "Hello") that no merge builds; ``add_bos`` None leaves the key out."""
     byte_chars = _bytes_to_unicode()
     space = byte_chars[ord(" ")]
     tokens = [byte_chars[b] for b in range(256)]
     merges = [("1", "2"), ("h", "e"), ("l", "l"), ("he", "ll"), (space, "w"), ("o", "r")]
-    tokens += ["".join(m) for m in merges] + [space + "world"]
+    tokens += ["".join(m) for m in merges] + [space + "world", "Hello"]
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens += specials
     types = [1] * (len(tokens) - len(specials)) + [3] * len(specials)
@@ -68,7 +68,8 @@ def _bpe_vocab(writer, pre):
     writer.add_token_merges([" ".join(m) for m in merges])
     writer.add_eos_token_id(tokens.index("<|endoftext|>"))
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
-    writer.add_add_bos_token(False)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     writer.add_chat_template(CHATML)
     return tokens
 
@@ -184,7 +185,7 @@ CASES = {
     "phi3-longrope": ("phi3", "phi3", _spm_vocab, {"original_max_position_embeddings": 1024,
                                                    "rope_scaling": _longrope(16)}),
 }
-VOCAB_SIZES = {"qwen2": 266, "qwen3": 266, "mistral": 275, "phi3": 275, "phi3-longrope": 275}
+VOCAB_SIZES = {"qwen2": 267, "qwen3": 267, "mistral": 275, "phi3": 275, "phi3-longrope": 275}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -233,7 +234,7 @@ def test_tokenizer_round_trips_and_chat_template(converted):
 
 def test_gpt2_pre_tokenizer_would_merge_the_digits(tmp_path):
     """The check above can fail: under GPT-2's split the merge "1 2" applies."""
-    model, args = _random_model("qwen2", 266)
+    model, args = _random_model("qwen2", 267)
     path = tmp_path / "gpt2pre.gguf"
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "gpt2"))
     _, tok = models.load(path, dequantize=True)
@@ -242,7 +243,7 @@ def test_gpt2_pre_tokenizer_would_merge_the_digits(tmp_path):
 
 def test_llama3_pre_tokenizer(tmp_path):
     """llama-bpe: digits in runs of up to three, and whole-vocabulary words taken without merges."""
-    model, args = _random_model("qwen2", 266)
+    model, args = _random_model("qwen2", 267)
     path = tmp_path / "llama3pre.gguf"
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "llama-bpe"))
     _, llama3 = models.load(path, dequantize=True)
@@ -256,8 +257,24 @@ def test_llama3_pre_tokenizer(tmp_path):
     assert qwen2.convert_ids_to_tokens(qwen2.encode(" world")) == ["Ġw", "or", "l", "d"]
 
 
+def test_tekken_pre_tokenizer(tmp_path):
+    """Mistral's Tekken (e.g. Mistral Nemo, written as llama): case-change splits, whole words
+    without merges, and BOS added when the file does not say."""
+    model, args = _random_model("mistral", 267, head_dim=24)
+    path = tmp_path / "tekken.gguf"
+    write_gguf(path, model, args, "llama", lambda w: _bpe_vocab(w, "tekken", add_bos=None))
+    loaded, tok = models.load(path, dequantize=True)
+    ids = tok.encode("HelloWorld")
+    assert ids[0] == tok.bos_token_id
+    assert tok.convert_ids_to_tokens(ids[1:]) == ["Hello", "W", "or", "l", "d"]
+    text = "HelloWorld hello world 12345\n\tünïcödé 🙂"
+    assert tok.decode(tok.encode(text), skip_special_tokens=True) == text
+    tokens = mx.array([ids])
+    assert mx.abs(model(tokens) - loaded(tokens)).max().item() < 1e-4 * mx.abs(model(tokens)).max().item() + 1e-4
+
+
 def test_missing_pre_tokenizer_warns(tmp_path):
-    model, args = _random_model("qwen2", 266)
+    model, args = _random_model("qwen2", 267)
     path = tmp_path / "nopre.gguf"
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, None))
     with pytest.warns(UserWarning, match="no tokenizer.ggml.pre: splitting text as GPT-2 does"):
@@ -266,7 +283,7 @@ def test_missing_pre_tokenizer_warns(tmp_path):
 
 
 def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
-    model, args = _random_model("qwen2", 266)
+    model, args = _random_model("qwen2", 267)
     path = tmp_path / "odd.gguf"
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "deepseek-coder"))
     with pytest.raises(GGUFError, match="pre-tokenizer 'deepseek-coder'"):
@@ -275,7 +292,7 @@ def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
 
 def test_quantized_weights_load_for_new_archs(tmp_path):
     """Q8_0 tensors (read by mx.load) keep their layout for qwen2's biased projections."""
-    model, args = _random_model("qwen2", 266)
+    model, args = _random_model("qwen2", 267)
     path = tmp_path / "q8.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen2")
     for key, value in (("context_length", 4096), ("embedding_length", 64), ("block_count", 2),
