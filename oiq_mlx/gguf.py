@@ -490,7 +490,11 @@ def _get(meta, arch, key, default=None, required=True):
     full = f"{arch}.{key}"
     if full in meta:
         value = meta[full]
-        return value[0] if isinstance(value, (list, np.ndarray)) else value
+        if isinstance(value, (list, np.ndarray)):  # per-layer values: only uniform ones fit mlx-lm's args
+            if len(value) == 0 or any(v != value[0] for v in value):
+                raise GGUFError(f"per-layer {full} = {list(value)} is not supported")
+            return value[0]
+        return value
     if required and default is None:
         raise GGUFError(f"GGUF metadata lacks {full}")
     return default
