@@ -100,7 +100,7 @@ def load(path_or_repo, *, dequantize: bool | None = None):
 
     Args:
         path_or_repo: a ``.gguf`` file (loaded offline into mlx-lm's own model
-            classes; llama and gemma3 architectures) or anything
+            classes; architectures in ``oiq_mlx.gguf.SUPPORTED_ARCHITECTURES``) or anything
             ``mlx_lm.load`` accepts (a Hugging Face repo id, a local mlx dir).
         dequantize: GGUF only. ``True``: dense fp32 weights; ``False``: keep
             quantized (mlx ``QuantizedLinear``); ``None``: quantized when Metal
