@@ -28,7 +28,7 @@ from .integration import install, make_oiq_cache  # noqa: E402
 # without the user calling anything first
 install()
 
-from .models import default_text, demo_model_path, gemma3_model_path, load  # noqa: E402
+from .models import default_text, demo_model_path, gemma3_model_path, load, load_model, resolve_model  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -40,6 +40,8 @@ __all__ = [
     "gemma3_model_path",
     "install",
     "load",
+    "load_model",
+    "resolve_model",
     "make_oiq_cache",
     "oiq_attention",
     "SUPPORTED_BITS",
