@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--k-bits/--v-bits)")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    from .distributed import add_arguments as add_sharding_arguments
+
+    add_sharding_arguments(p)  # --sharding, for runs under mlx.launch
     return p
 
 
@@ -136,19 +139,28 @@ def main(argv=None) -> int:
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
+    from .distributed import ShardedRun
     from .integration import cache_tokens, kv_memory, make_oiq_cache
     from .models import load
 
-    if args.seed is not None:
+    run = ShardedRun.from_launch(args.sharding)  # None for one process; ranks > 0 print nothing
+    if run is not None:
+        run.seed(args.seed)  # every rank must sample the same token
+    elif args.seed is not None:
         mx.random.seed(args.seed)
     dequant = {"auto": None, "yes": True, "no": False}[args.dequantize_weights]
     try:
         model, tokenizer = load(_resolve_model(args.model), dequantize=dequant)
+        if run is not None:
+            run.shard(model, name=args.model)
     except (FileNotFoundError, ValueError) as e:
         print(f"oiq-generate: error: {e}", file=sys.stderr)
         return 2
     try:  # the config against this model: head dimension, layer_bits layers
-        cache = make_prompt_cache(model) if config is None else make_oiq_cache(model, config)
+        if run is not None:
+            cache = run.make_cache(model, config)
+        else:
+            cache = make_prompt_cache(model) if config is None else make_oiq_cache(model, config)
     except ValueError as e:
         print(f"oiq-generate: error: {e}", file=sys.stderr)
         return 2
@@ -175,6 +187,8 @@ def main(argv=None) -> int:
             f"{_mib(mem['fp16'])} for the same {cache_tokens(cache)} tokens at float16 ({ratio:.2f}x)",
             file=sys.stderr,
         )
+        if run is not None:
+            run.print_kv_bytes(cache)
     return 0
 
 

@@ -278,3 +278,77 @@ def test_pipeline_two_ranks_is_bit_exact(tmp_path):
                 assert s["k_mean_maxdiff"] == s["k_lam_maxdiff"] == 0.0
         kv = records[0][config]["kv_bytes"]
         assert kv["held_total"] == records[0][config]["ref_held"]
+
+
+# -- oiq-generate under mlx.launch -------------------------------------------------------
+
+
+TEXT = "the keeper of the lighthouse walked down to the sea every morning and counted the boats. " * 20
+
+
+def write_model_folder(folder: Path, model_type: str, n_kv_heads: int) -> Path:
+    """A random-weight mlx-lm model folder: config.json, model.safetensors and a
+    byte-level BPE tokenizer trained on TEXT with the ``tokenizers`` package."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<eos>"}))
+    n_heads = 2 * n_kv_heads
+    config = {"model_type": model_type, "hidden_size": 64 * n_heads, "num_hidden_layers": 3, "intermediate_size": 128,
+              "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads,
+              "rms_norm_eps": 1e-5, "vocab_size": 320, "rope_theta": 10000.0, "tie_word_embeddings": True,
+              "max_position_embeddings": 1024, "eos_token_id": tok.token_to_id("<eos>")}
+    (folder / "config.json").write_text(json.dumps(config))
+    mx.random.seed(0)
+    model, _ = load_model(folder, lazy=True, strict=False)
+    # doubled weights: the greedy text of a random model at the default init repeats one token
+    weights = {k: 2 * v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2_folder(tmp_path_factory):
+    return write_model_folder(tmp_path_factory.mktemp("qwen2"), "qwen2", n_kv_heads=2)
+
+
+CLI_ARGS = ["--prompt", TEXT[:300], "--max-tokens", "12", "--ignore-chat-template", "--preset", "4bit",
+            "--window", "16", "--sink-tokens", "2"]
+
+
+def _generated(stdout: str) -> str:
+    return stdout.strip("\n")
+
+
+@loopback
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_oiq_generate_on_two_ranks_prints_the_single_process_text_once(qwen2_folder, sharding):
+    one = subprocess.run([sys.executable, "-m", "oiq_mlx.cli", "--model", str(qwen2_folder), *CLI_ARGS],
+                         capture_output=True, text=True, cwd=ROOT, timeout=LAUNCH_TIMEOUT_S)
+    assert one.returncode == 0, one.stderr
+    text = _generated(one.stdout)
+    assert len(set(text)) > 3, text  # the random model does not repeat one token
+    _, out, err = launch("-m", "oiq_mlx.cli", "--model", str(qwen2_folder), "--sharding", sharding, *CLI_ARGS,
+                         cwd=ROOT)
+    assert _generated(out) == text, err  # rank 0 alone printed, and the same text
+    assert err.count("Generation: 12 tokens") == 1, err
+    line = next(x for x in err.splitlines() if x.startswith("KV cache per rank"))
+    assert f"({sharding} parallel over 2 ranks): rank 0 " in line and ", rank 1 " in line and "; total " in line
+
+
+@loopback
+def test_oiq_generate_on_two_ranks_refuses_a_model_whose_heads_do_not_divide(tmp_path):
+    folder = write_model_folder(tmp_path / "llama3kv", "llama", n_kv_heads=3)
+    _, out, err = launch("-m", "oiq_mlx.cli", "--model", str(folder), "--prompt", "hi", cwd=ROOT)
+    message = f"oiq-generate: error: {folder} (llama) has 6 query and 3 KV heads, which do not divide over 2 ranks"
+    assert err.count(message) == 1, err  # from rank 0 only
+    assert "Traceback" not in err and out.strip() == ""
