@@ -10,6 +10,7 @@ and the oiq-generate command line; each launch takes a few seconds.
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -342,7 +343,14 @@ def test_oiq_generate_on_two_ranks_prints_the_single_process_text_once(qwen2_fol
     assert _generated(out) == text, err  # rank 0 alone printed, and the same text
     assert err.count("Generation: 12 tokens") == 1, err
     line = next(x for x in err.splitlines() if x.startswith("KV cache per rank"))
-    assert f"({sharding} parallel over 2 ranks): rank 0 " in line and ", rank 1 " in line and "; total " in line
+    found = re.search(rf"\({sharding} parallel over 2 ranks\): rank 0 ([\d.]+) MiB, rank 1 ([\d.]+) MiB; "
+                      r"total ([\d.]+) MiB held", line)
+    assert found, line
+    rank0, rank1, total = (float(x) for x in found.groups())
+    one_process = float(re.search(r"KV cache \(OIQ[^)]*\): ([\d.]+) MiB held", one.stderr).group(1))
+    # tensor: half the heads each; pipeline: rank 0 runs the last 2 of the 3 layers
+    assert abs(rank0 - (rank1 if sharding == "tensor" else 2 * rank1)) <= 0.011, line
+    assert abs(total - (rank0 + rank1)) <= 0.011 and abs(total - one_process) <= 0.011, (line, one_process)
 
 
 @loopback
@@ -352,3 +360,27 @@ def test_oiq_generate_on_two_ranks_refuses_a_model_whose_heads_do_not_divide(tmp
     message = f"oiq-generate: error: {folder} (llama) has 6 query and 3 KV heads, which do not divide over 2 ranks"
     assert err.count(message) == 1, err  # from rank 0 only
     assert "Traceback" not in err and out.strip() == ""
+
+
+# -- scripts/bench_sharded.py ------------------------------------------------------------
+
+
+@loopback
+def test_bench_sharded_reports_each_sharding_beside_one_process(tmp_path):
+    path = tmp_path / "bench.json"
+    _, out, err = launch(str(ROOT / "scripts" / "bench_sharded.py"), "--shape", "3,256,4,2,256", "--contexts", "96",
+                         "--decode-steps", "2", "--warmup", "0", "--oiq-bits", "4", "--json", str(path), cwd=ROOT)
+    assert path.is_file(), err
+    runs = {(r["sharding"], r["cache"]): r for r in json.loads(path.read_text())["runs"]}
+    assert set(runs) == {(s, c) for s in ("none", "tensor", "pipeline") for c in ("fp", "oiq-4bit")}
+    for cache in ("fp", "oiq-4bit"):
+        one = runs["none", cache]["kv_bytes"]
+        # pipeline: rank 0 runs the last 2 of the 3 layers, rank 1 the first; the same arrays as one process
+        pipeline = runs["pipeline", cache]["kv_bytes_per_rank"]
+        assert sum(pipeline) == one and pipeline[0] == 2 * pipeline[1], (cache, pipeline, one)
+        tensor = runs["tensor", cache]["kv_bytes_per_rank"]
+        # tensor: half the heads per rank; OIQ ranks also keep each layer's whole sign vectors
+        signs = 0 if cache == "fp" else 3 * 2 * 64 * 4
+        assert tensor == [(one + signs) // 2] * 2, (cache, tensor, one)
+    assert out.count("| context | cache | ms/token 1 process | ms/token tensor x2 | ms/token pipeline x2 |") == 1, out
+    assert sum(line.startswith("| 96 | ") for line in out.splitlines()) == 2
