@@ -47,7 +47,8 @@ SHARDINGS = ("tensor", "pipeline")
 class ShardLayout:
     """Which part of a model one rank holds.
 
-    ``kv_heads``: the global KV heads ``[a, b)`` of every local layer;
+    ``kv_heads``: the global KV heads ``[a, b)`` of every local layer (None:
+    all of them, as under pipeline parallelism);
     ``layers``: the global model layers ``[a, b)`` this rank runs;
     ``first_cache``: the global cache index (``OIQKVCache.layer_idx``) of the
     rank's first cache; ``oiq_layers``: the global indices of every OIQ layer
@@ -57,7 +58,7 @@ class ShardLayout:
     sharding: str
     rank: int
     world_size: int
-    kv_heads: tuple[int, int]
+    kv_heads: tuple[int, int] | None
     layers: tuple[int, int]
     first_cache: int = 0
     oiq_layers: tuple[int, ...] = ()
@@ -65,7 +66,7 @@ class ShardLayout:
     def to_dict(self) -> dict:
         """What a saved cache carries: the fields that must match to reuse it."""
         return {"sharding": self.sharding, "rank": self.rank, "world_size": self.world_size,
-                "kv_heads": list(self.kv_heads), "layers": list(self.layers)}
+                "kv_heads": None if self.kv_heads is None else list(self.kv_heads), "layers": list(self.layers)}
 
     def describe(self) -> str:
         return describe_layout(self.to_dict())
@@ -74,8 +75,9 @@ class ShardLayout:
 def describe_layout(layout: dict | None) -> str:
     if layout is None:
         return "unsharded (one process)"
-    return (f"rank {layout['rank']} of {layout['world_size']}, {layout['sharding']} parallel, "
-            f"KV heads {layout['kv_heads'][0]}-{layout['kv_heads'][1] - 1}, "
+    heads = layout["kv_heads"]
+    heads = "all KV heads" if heads is None else f"KV heads {heads[0]}-{heads[1] - 1}"
+    return (f"rank {layout['rank']} of {layout['world_size']}, {layout['sharding']} parallel, {heads}, "
             f"layers {layout['layers'][0]}-{layout['layers'][1] - 1}")
 
 
@@ -128,7 +130,6 @@ def shard_model(model, sharding: str, group, *, name: str | None = None) -> Shar
         raise ValueError(f"{label} does not support {sharding} parallelism in mlx-lm; "
                          f"it supports {' and '.join(supported)}")
     n_layers = len(model.layers)
-    full = make_prompt_cache(model)
     oiq_layers = tuple(oiq_layer_indices(model))
     if sharding == "tensor":
         n_heads, n_kv = _attention_heads(model)
@@ -142,9 +143,9 @@ def shard_model(model, sharding: str, group, *, name: str | None = None) -> Shar
             raise ValueError(f"{label} cannot be tensor-sharded over {n} ranks: {e}") from e
         per = n_kv // n
         return ShardLayout("tensor", rank, n, (rank * per, (rank + 1) * per), (0, n_layers), 0, oiq_layers)
-    _, n_kv = _attention_heads(model)
     if n_layers < n:
         raise ValueError(f"{label} has {n_layers} layers, fewer than the {n} pipeline ranks")
+    full = make_prompt_cache(model)
     model.model.pipeline(group)
     start, end = model.model.start_idx, model.model.end_idx
     local = make_prompt_cache(model)
@@ -152,7 +153,7 @@ def shard_model(model, sharding: str, group, *, name: str | None = None) -> Shar
         raise ValueError(f"{label}: after pipeline() the model builds {len(local)} caches for its "
                          f"{end - start} local layers; oiq_mlx cannot number them")
     first = sum(len(list(_leaves([c]))) for c in full[:start])
-    return ShardLayout("pipeline", rank, n, (0, n_kv), (start, end), first, oiq_layers)
+    return ShardLayout("pipeline", rank, n, None, (start, end), first, oiq_layers)
 
 
 def make_cache(model, config: OIQConfig | None, layout: ShardLayout, **kwargs) -> list:

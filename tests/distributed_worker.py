@@ -3,7 +3,7 @@ tests/test_distributed.py; not a test module itself).
 
 Every rank builds the same seeded random-weight model twice: one copy runs
 unsharded in this process (the reference), the other is sharded over the
-launched group.  Both decode greedily through OIQ caches; the rank writes a
+launched group (each ``arch:sharding`` of ``--runs`` in turn).  Both decode greedily through OIQ caches; the rank writes a
 JSON record of tokens, logit differences, what its caches store against the
 reference's caches for the same heads and layers, its KV bytes and the
 layout checks of its saved prompt cache to ``--out/rank{r}.json``.
@@ -81,7 +81,7 @@ def _oiq(cache):
 def compare_storage(ref_cache, cache, layout):
     """Per local OIQ layer: are codes and scales (and the mean / key scaling
     vectors, the signs) equal to the reference's for this rank's heads?"""
-    a, b = layout.kv_heads
+    a, b = layout.kv_heads or (None, None)
     by_layer = {c.layer_idx: c for c in _oiq(ref_cache)}
     rows = []
     for c in _oiq(cache):
@@ -163,17 +163,19 @@ def run(arch: str, sharding: str, config_name: str, group, out: Path) -> dict:
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--arch", required=True)
-    p.add_argument("--sharding", required=True)
+    p.add_argument("--runs", required=True, help="arch:sharding,... e.g. llama:tensor,qwen2:pipeline")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
     group = mx.distributed.init()
     record = {"rank": group.rank(), "world_size": group.size()}
-    for name in args.configs.split(","):
-        (out / name).mkdir(parents=True, exist_ok=True)
-        record[name] = run(args.arch, args.sharding, name, group, out)
+    for spec in args.runs.split(","):
+        arch, sharding = spec.split(":")
+        record[spec] = {}
+        for name in args.configs.split(","):
+            (out / spec / name).mkdir(parents=True, exist_ok=True)
+            record[spec][name] = run(arch, sharding, name, group, out / spec)
     (out / f"rank{group.rank()}.json").write_text(json.dumps(record))
     return 0
 

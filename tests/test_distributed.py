@@ -20,7 +20,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models import qwen2
+from mlx_lm.models.cache import save_prompt_cache
+from mlx_lm.utils import load_model
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import tiny_gemma3, tiny_llama
 from oiq_mlx import OIQConfig, OIQKVCache, distributed
@@ -101,7 +105,7 @@ def test_pipeline_layout_numbers_caches_with_global_layer_indices():
     for rank, layers, first in ((0, (1, 3), 1), (1, (0, 1), 0)):
         model = tiny_qwen2()
         layout = distributed.shard_model(model, "pipeline", StandInGroup(rank, 2), name="tiny")
-        assert (layout.layers, layout.first_cache, layout.kv_heads) == (layers, first, (0, 2))
+        assert (layout.layers, layout.first_cache, layout.kv_heads) == (layers, first, None)
         cache = distributed.make_cache(model, config, layout)
         assert [c.layer_idx for c in cache] == list(range(*layers))
         assert all(c.layout == layout.to_dict() for c in cache)
@@ -141,8 +145,6 @@ def _fill(cache, n_tokens):
 
 
 def test_saved_cache_loads_only_on_its_layout(tmp_path):
-    from mlx_lm.models.cache import save_prompt_cache
-
     model = tiny_qwen2()
     layout = distributed.shard_model(model, "pipeline", StandInGroup(1, 2))
     cache = distributed.make_cache(model, OIQConfig(window=4, sink_tokens=2), layout)
@@ -151,9 +153,9 @@ def test_saved_cache_loads_only_on_its_layout(tmp_path):
     save_prompt_cache(str(path), cache)
     loaded = distributed.load_prompt_cache(path, layout)
     assert [c.layout for c in loaded] == [layout.to_dict()] and loaded[0].offset == 20
-    other = distributed.ShardLayout("pipeline", 0, 2, (0, 2), (1, 3))
-    with pytest.raises(ValueError, match=r"saved rank 1 of 2, pipeline parallel, KV heads 0-1, layers 0-0; this run "
-                                         r"is rank 0 of 2, pipeline parallel, KV heads 0-1, layers 1-2"):
+    other = distributed.ShardLayout("pipeline", 0, 2, None, (1, 3))
+    with pytest.raises(ValueError, match=r"saved rank 1 of 2, pipeline parallel, all KV heads, layers 0-0; this run "
+                                         r"is rank 0 of 2, pipeline parallel, all KV heads, layers 1-2"):
         distributed.load_prompt_cache(path, other)
     with pytest.raises(ValueError, match="this run is unsharded"):
         distributed.load_prompt_cache(path, None)
@@ -212,14 +214,24 @@ def launch(*command, cwd=TESTS):
     return proc.returncode, out, err
 
 
-def run_worker(tmp_path, arch, sharding):
-    rc, out, err = launch("distributed_worker.py", "--arch", arch, "--sharding", sharding, "--out", str(tmp_path))
+RUNS = "llama:tensor,qwen3:tensor,qwen2:pipeline"
+
+
+@pytest.fixture(scope="module")
+def worker_records(tmp_path_factory):
+    """Both ranks' records of every run in RUNS: one launch (each costs seconds of start-up)."""
+    out = tmp_path_factory.mktemp("ranks")
+    rc, stdout, stderr = launch("distributed_worker.py", "--runs", RUNS, "--out", str(out))
     records = []
     for rank in (0, 1):
-        path = tmp_path / f"rank{rank}.json"
-        assert path.is_file(), f"rank {rank} wrote nothing (rc {rc})\n{out}\n{err}"
+        path = out / f"rank{rank}.json"
+        assert path.is_file(), f"rank {rank} wrote nothing (rc {rc})\n{stdout}\n{stderr}"
         records.append(json.loads(path.read_text()))
     return records
+
+
+def run_records(worker_records, arch, sharding):
+    return [{"rank": rec["rank"], **rec[f"{arch}:{sharding}"]} for rec in worker_records]
 
 
 def _check_common(records, config):
@@ -240,8 +252,8 @@ def _check_common(records, config):
 
 @loopback
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tensor_parallel_two_ranks_matches_one_process(tmp_path, arch):
-    records = run_worker(tmp_path, arch, "tensor")
+def test_tensor_parallel_two_ranks_matches_one_process(worker_records, arch):
+    records = run_records(worker_records, arch, "tensor")
     assert [rec["k8v8"]["layout"]["kv_heads"] for rec in records] == [[0, 1], [1, 2]]
     for config in ("k8v8", "4bit"):
         _check_common(records, config)
@@ -263,9 +275,9 @@ def test_tensor_parallel_two_ranks_matches_one_process(tmp_path, arch):
 
 
 @loopback
-def test_pipeline_two_ranks_is_bit_exact(tmp_path):
+def test_pipeline_two_ranks_is_bit_exact(worker_records):
     """Pipeline stages run the unsharded arithmetic: tokens, logits and every stored array equal."""
-    records = run_worker(tmp_path, "qwen2", "pipeline")
+    records = run_records(worker_records, "qwen2", "pipeline")
     assert [rec["k8v8"]["layout"]["layers"] for rec in records] == [[1, 3], [0, 1]]
     for config in ("k8v8", "4bit"):
         _check_common(records, config)
@@ -290,10 +302,6 @@ TEXT = "the keeper of the lighthouse walked down to the sea every morning and co
 def write_model_folder(folder: Path, model_type: str, n_kv_heads: int) -> Path:
     """A random-weight mlx-lm model folder: config.json, model.safetensors and a
     byte-level BPE tokenizer trained on TEXT with the ``tokenizers`` package."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load_model
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -330,12 +338,19 @@ def _generated(stdout: str) -> str:
     return stdout.strip("\n")
 
 
-@loopback
-@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
-def test_oiq_generate_on_two_ranks_prints_the_single_process_text_once(qwen2_folder, sharding):
+@pytest.fixture(scope="module")
+def one_process(qwen2_folder):
+    """oiq-generate's run of CLI_ARGS in one process: the reference."""
     one = subprocess.run([sys.executable, "-m", "oiq_mlx.cli", "--model", str(qwen2_folder), *CLI_ARGS],
                          capture_output=True, text=True, cwd=ROOT, timeout=LAUNCH_TIMEOUT_S)
     assert one.returncode == 0, one.stderr
+    return one
+
+
+@loopback
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_oiq_generate_on_two_ranks_prints_the_single_process_text_once(qwen2_folder, one_process, sharding):
+    one = one_process
     text = _generated(one.stdout)
     assert len(set(text)) > 3, text  # the random model does not repeat one token
     _, out, err = launch("-m", "oiq_mlx.cli", "--model", str(qwen2_folder), "--sharding", sharding, *CLI_ARGS,
