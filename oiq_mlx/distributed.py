@@ -276,7 +276,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sharding", choices=("auto", *SHARDINGS), default="auto",
         help="under mlx.launch with more than one rank: tensor (each rank holds a slice of the "
              "attention heads, model.shard) or pipeline (a range of layers, model.model.pipeline); "
-             "auto: tensor where the model supports it")
+             "auto: tensor where the model supports it. A single process ignores it")
 
 
 # -- benchmark (scripts/bench_sharded.py) -----------------------------------------------
