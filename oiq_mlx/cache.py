@@ -181,6 +181,9 @@ class OIQKVCache(_BaseCache):
         if head_dim is not None:
             self.config.storage_dim(head_dim)
         self.layer_idx = int(layer_idx)
+        # which slice of a sharded model this cache belongs to (oiq_mlx.distributed
+        # sets it; saved in state so a saved cache loads only on the same layout)
+        self.layout = None
         self.offset = 0
         self.q_end = self.config.sink_tokens
         self.recent_start = self.config.sink_tokens
@@ -384,6 +387,26 @@ class OIQKVCache(_BaseCache):
 
     # -- mlx-lm contract -----------------------------------------------------
 
+    @property
+    def keys(self):
+        """The key sign vector, the one array of this cache that is never
+        empty once written and always in :attr:`state`.
+
+        mlx-lm's pipeline-parallel models (``models/pipeline.py``) chain the
+        send of their hidden state to the last local cache with
+        ``cache[-1].keys = mx.depends(cache[-1].keys, h)``, so that evaluating
+        the caches' state (all ``generate_step`` evaluates during prefill) runs
+        the send; the setter takes that array back.
+        """
+        return self.k.signs
+
+    @keys.setter
+    def keys(self, value):
+        if self.k.signs is None or not isinstance(value, mx.array) or value.shape != self.k.signs.shape:
+            raise ValueError("OIQKVCache.keys can only be replaced by an array of the key signs' shape "
+                             "(mx.depends(cache.keys, ...)) after the cache was written")
+        self.k.signs = value
+
     def size(self):
         return self.offset
 
@@ -459,6 +482,8 @@ class OIQKVCache(_BaseCache):
             "head_dims": [self.k.head_dim, self.v.head_dim],
             "dims": [self.k.dim, self.v.dim],
         }
+        if self.layout is not None:
+            meta["layout"] = self.layout
         meta["digest"] = _digest(meta)
         return arrays + [json.dumps(meta)]
 
@@ -471,6 +496,7 @@ class OIQKVCache(_BaseCache):
     def state(self, v):
         cfg, meta, sides = _parse_state(v)
         self.__init__(cfg, layer_idx=meta["layer_idx"])
+        self.layout = meta.get("layout")
         self.offset, self.q_end, self.recent_start = meta["offset"], meta["q_end"], meta["recent_start"]
         if meta["dtype"] is None:
             return
@@ -534,6 +560,11 @@ def _parse_state(v):
         raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads ({FORMAT_VERSION}); "
                                 "the file was written by another version")
     expected = set(_META_FIELDS) | ({"format", "digest"} if "format" in meta else set())
+    # a sharded run's caches also carry the layout they were made on (oiq_mlx.distributed)
+    if "format" in meta and "layout" in meta:
+        expected.add("layout")
+        if not isinstance(meta["layout"], dict):
+            raise _refuse("layout", f"must be a JSON object, got {type(meta['layout']).__name__}")
     if set(meta) != expected:
         raise _refuse("metadata", f"fields do not match format {FORMAT_VERSION}: missing "
                                   f"{sorted(expected - set(meta))}, unknown {sorted(set(meta) - expected)}")

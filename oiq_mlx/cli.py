@@ -21,6 +21,8 @@ from mlx_lm.sample_utils import make_sampler
 
 from .cache import OIQKVCache
 from .config import OIQConfig
+from .distributed import ShardedRun, check_layout
+from .distributed import add_arguments as add_sharding_arguments
 from .integration import cache_tokens, install, kv_memory, make_oiq_cache
 from .models import load, resolve_model
 
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=_seed, default=None, help="random seed for sampling, >= 0")
     add_oiq_options(p)
     p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    add_sharding_arguments(p)  # --sharding, for runs under mlx.launch
     return p
 
 
@@ -320,12 +323,25 @@ def _prompt_tokens(tokenizer, args, prompt: str, cached: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _shard(shard_run, model, name: str):
+    """Shard ``model`` over the launched ranks (None, doing nothing, for one process); UsageError
+    when the model cannot be sharded that way."""
+    if shard_run is None:
+        return None
+    try:
+        return shard_run.shard(model, name=name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     prompt = read_prompt(args.prompt)
     if not prompt:
         raise UsageError("the prompt is empty")
 
+    # one process: None; under mlx.launch the model is sharded and ranks > 0 print nothing
+    shard_run = ShardedRun.from_launch(args.sharding)
     if args.prompt_cache_file is not None:
         cache, metadata = _load_cache_file(args.prompt_cache_file)
         _check_cache_config(args, cache)
@@ -341,6 +357,11 @@ def _main(argv) -> int:
                     f"--model {args.model} is not the model the prompt cache was made with ({stored_model})"
                 )
         model, tokenizer = load_from_args(args, name)
+        layout = _shard(shard_run, model, name)
+        try:
+            check_layout(cache, layout, source=args.prompt_cache_file)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         n_layers = len(make_prompt_cache(model))
         if len(cache) != n_layers:
             raise UsageError(f"the prompt cache has {len(cache)} layers, the model {name} {n_layers}")
@@ -350,9 +371,17 @@ def _main(argv) -> int:
         except ValueError as e:
             raise UsageError(str(e)) from None
         model, tokenizer = load_from_args(args, args.model or DEFAULT_MODEL)
-        cache = build_cache(model, config)
+        if _shard(shard_run, model, args.model or DEFAULT_MODEL) is None:
+            cache = build_cache(model, config)
+        else:
+            try:
+                cache = shard_run.make_cache(model, config)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
 
-    if args.seed is not None:
+    if shard_run is not None:
+        shard_run.seed(args.seed)  # every rank must sample the same token
+    elif args.seed is not None:
         mx.random.seed(args.seed)
     tokens = _prompt_tokens(tokenizer, args, prompt, cached=args.prompt_cache_file is not None)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
@@ -370,6 +399,8 @@ def _main(argv) -> int:
         print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
         label = cache_label(cache) + (f", preset {args.preset}" if args.preset else "")
         print(memory_line(cache, label), file=sys.stderr)
+        if shard_run is not None:
+            shard_run.print_kv_bytes(cache)
     return 0
 
 

@@ -210,7 +210,7 @@ def model_head_dim(model) -> int | None:
     return None
 
 
-def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = False) -> list:
+def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = False, first_layer: int = 0) -> list:
     """A prompt cache for ``model`` whose full-attention layers store OIQ.
 
     Raises ``ValueError`` naming the model type and the code at fault for a
@@ -223,6 +223,10 @@ def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = Fa
     warning (``verbose``: a line on stderr either way).  Accepted by
     ``mlx_lm.generate``, ``stream_generate`` and ``generate_step`` as
     ``prompt_cache=``.
+
+    ``first_layer``: the layer index (``OIQKVCache.layer_idx``, which seeds
+    the signs) of the first cache, for a pipeline stage whose model holds
+    only later layers (``oiq_mlx.distributed``).
     """
     config = config if config is not None else OIQConfig()
     install()
@@ -231,7 +235,7 @@ def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = Fa
         config.storage_dim(head_dim)
     base = make_prompt_cache(model)
     kept = {}
-    counter = iter(range(10**9))
+    counter = iter(range(first_layer, 10**9))
 
     def convert(c):
         if type(c) is KVCache:
