@@ -38,7 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = off)")
     s.add_argument("--min-p", type=float, default=0.0, help="minimum probability relative to the top token")
     s.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    o = p.add_argument_group(
+    add_cache_arguments(p)
+    p.add_argument("--quiet", action="store_true", help="print only the generated text")
+    return p
+
+
+def add_cache_arguments(parser: argparse.ArgumentParser):
+    """The OIQ cache options (``--preset``, the fields, ``--no-oiq``), shared with ``oiq-server``."""
+    o = parser.add_argument_group(
         "OIQ cache",
         "Start from --preset (or OIQConfig() defaults) and override single fields; "
         "see README 'Choosing a configuration'.",
@@ -64,8 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="per-layer bits, e.g. 3:3:3,8:3:3 stores layers 3 and 8 at K3V3 (the rest per "
                         "--k-bits/--v-bits)")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
-    p.add_argument("--quiet", action="store_true", help="print only the generated text")
-    return p
+    return o
 
 
 def config_from_args(args):
