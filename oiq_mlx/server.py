@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import functools
+import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -59,6 +61,7 @@ def use_oiq_caches(model, config: OIQConfig):
         return make_oiq_cache(model, config, base=base)
 
     make_cache()
+    make_cache.oiq_config = config
     model.make_cache = make_cache
     return model
 
@@ -131,10 +134,24 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
     """
     provider = OIQModelProvider(model_provider.cli_args)
     provider.load_default()
+    oiq = getattr(getattr(provider.model, "make_cache", None), "oiq_config", None)
+    logging.info(
+        "oiq_mlx: KV cache %s; continuous batching %s",
+        f"OIQ {oiq.to_json()}" if oiq is not None else "mlx-lm's own (--no-oiq)",
+        "on" if provider.is_batchable and provider.cli_args.kv_bits is None else "off",
+    )
     prompt_cache = _server.LRUPromptCache(provider.cli_args.prompt_cache_size)
     generator = OIQResponseGenerator(provider, prompt_cache)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     _server._run_http_server(host, port, generator)
+    # the HTTP server is shut down and the generation thread joined; leaving
+    # through interpreter teardown aborts in MLX's C++ threads ("terminate
+    # called without an active exception", exit -6), so leave directly
+    logging.info("oiq_mlx: server stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
