@@ -12,6 +12,7 @@ import pytest
 from mlx_lm.models import llama
 
 from oiq_mlx import evaluation as ev
+from oiq_mlx.cache import OIQKVCache
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBED_SCALE = 4.0
@@ -219,6 +220,34 @@ def test_needle_eval_runs_through_generate_step():
                          lengths=(200,), depths=(0.0, 1.0), chat=False, max_tokens=3)
     assert set(res["grid"]) == {"fp", "oiq-4"}
     assert np.array(res["grid"]["fp"]).shape == (1, 2)
+    # every cell is the verdict on the answer recorded for it
+    for name, grid in res["grid"].items():
+        for row, answers, keys in zip(grid, res["answers"][name], res["passkeys"]):
+            assert row == [int(ev.retrieved_passkey(a) == k) for a, k in zip(answers, keys)]
+
+
+def test_needle_grid_values_on_constructed_answers(monkeypatch):
+    """A stand-in model answers with the passkey in its prompt, except that the
+    OIQ cache misses needles in the first half of the haystack: the grid,
+    the passkeys and the scores must say exactly that."""
+    tok = CharTokenizer()
+
+    def answer(model, tokenizer, ids, cache, max_tokens=8):
+        text = tokenizer.decode(ids)
+        key = text.split("The pass key is ")[1][:5]
+        depth = text.index("The pass key is ") / len(text)
+        oiq = any(isinstance(c, OIQKVCache) for c in cache)
+        return f" {int(key) + 1 if oiq and depth < 0.4 else key}."
+
+    monkeypatch.setattr(ev, "greedy_answer", answer)
+    res = ev.needle_eval(tiny_llama(vocab=256), tok, [ev.parse_cache("fp"), ev.parse_cache("oiq-4")], filler_text=FILLER,
+                         lengths=(300, 600), depths=(0.0, 0.25, 1.0), chat=False, seed=3)
+    assert res["grid"]["fp"] == [[1, 1, 1], [1, 1, 1]]
+    assert res["grid"]["oiq-4"] == [[0, 0, 1], [0, 0, 1]]
+    assert res["score"] == {"fp": 1.0, "oiq-4": pytest.approx(1 / 3)}
+    for L, keys, row in zip((300, 600), res["passkeys"], res["answers"]["fp"]):
+        assert [a.strip(" .") for a in row] == keys
+        assert len(set(keys)) == 3 and all(len(k) == 5 for k in keys)
 
 
 # ---------------------------------------------------------------- report and script
