@@ -24,8 +24,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
+from . import models
+from .cli import _resolve_model
 from .config import OIQConfig
 from .integration import make_oiq_cache
 
@@ -277,3 +280,125 @@ def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -
             mx.eval(c.state)
     fp16 = len(cache) * tokens * n_kv * head_dim * 2 * 2
     return {"tokens": tokens, "bytes": int(sum(c.nbytes for c in cache)), "fp16_bytes": fp16}
+
+
+# -- the benchmark ------------------------------------------------------------
+
+
+def _percentile(values, q):
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _model_dtype(model):
+    return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+
+
+def prompt_texts(tokenizer, text: str, n: int, length: int) -> list[str]:
+    """``n`` different prompts of about ``length`` tokens cut from ``text``
+    (different offsets, so the server's prompt cache finds no shared prefix)."""
+    ids = tokenizer.encode(text)
+    if len(ids) < length + n * 97:
+        ids = ids * (-(-(length + n * 97) // len(ids)))
+    return [tokenizer.decode(ids[i * 97 : i * 97 + length]) for i in range(n)]
+
+
+def run_load(port: int, prompts, max_tokens: int) -> dict:
+    """All ``prompts`` at once (streaming); aggregate and per-client figures."""
+    results, wall = run_clients(port, prompts, max_tokens, stream=True)
+    ok = [r for r in results if not isinstance(r, Exception)]
+    failed = [repr(r) for r in results if isinstance(r, Exception)]
+    # a response that ends early without a stop, or is empty, counts as corrupted
+    corrupted = [i for i, r in enumerate(ok) if r.n_tokens == 0 or (r.n_tokens < max_tokens and r.finish_reason != "stop")]
+    gaps = [g for r in ok for g in r.gaps]
+    tokens = sum(r.n_tokens for r in ok)
+    return {
+        "clients": len(prompts),
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "ttft_p50_s": _percentile([r.ttft for r in ok], 50),
+        "ttft_p95_s": _percentile([r.ttft for r in ok], 95),
+        "token_latency_p50_s": _percentile(gaps, 50),
+        "token_latency_p95_s": _percentile(gaps, 95),
+        "failed": failed,
+        "corrupted": corrupted,
+    }
+
+
+def run_server_bench(*, model: str, specs, clients, lengths, max_tokens: int, kv_budget_bytes: int,
+                     log_dir, memory_lengths=(4096,), progress=None, text: str | None = None) -> dict:
+    """Every ``spec`` served by ``oiq-server`` (one process each), loaded with
+    each number of concurrent ``clients`` at each prompt length; plus KV bytes
+    per sequence at ``memory_lengths`` and the number of sequences that fit
+    ``kv_budget_bytes``."""
+    log = progress or (lambda msg: None)
+    path = _resolve_model(model)
+    local_model, tokenizer = models.load(path)
+    dtype = _model_dtype(local_model)
+    text = text if text is not None else models.default_text()
+    runs, memory = [], []
+    for spec in specs:
+        for length in sorted(set(memory_lengths)):
+            kv = kv_bytes_per_sequence(local_model, spec, length, dtype)
+            kv.update(spec=spec, sequences_in_budget=kv_budget_bytes // max(1, kv["bytes"]))
+            memory.append(kv)
+        log_path = Path(log_dir) / f"server_{spec.replace(':', '_').replace('[', '_').replace(']', '')}.log"
+        with ServerProcess([*server_args(spec), "--model", path, "--max-tokens", str(max_tokens)], log_path=log_path) as srv:
+            run_load(srv.port, prompt_texts(tokenizer, text, 1, 16), 2)  # warm-up
+            for length in lengths:
+                for n in clients:
+                    t0 = time.perf_counter()
+                    rec = run_load(srv.port, prompt_texts(tokenizer, text, n, length), max_tokens)
+                    rec.update(spec=spec, prompt_tokens=length, peak_rss_bytes=srv.peak_rss_bytes())
+                    runs.append(rec)
+                    log(f"[{spec}] {n} clients x {length} tokens: {rec['tokens_per_s']:.1f} tok/s, "
+                        f"TTFT p50 {rec['ttft_p50_s']:.2f} s, token p50 {1000 * (rec['token_latency_p50_s'] or 0):.0f} ms, "
+                        f"failed {len(rec['failed'])}, corrupted {len(rec['corrupted'])} "
+                        f"({time.perf_counter() - t0:.0f} s)")
+    return {"model": model, "max_tokens": max_tokens, "kv_budget_bytes": kv_budget_bytes,
+            "runs": runs, "memory": memory}
+
+
+def markdown(result: dict) -> str:
+    fp = {(r["prompt_tokens"], r["clients"]): r["tokens_per_s"] for r in result["runs"] if r["spec"] == "fp"}
+    lines = ["| cache | clients | prompt | tok/s | vs fp | TTFT p50/p95 s | token p50/p95 ms | failed | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        ref = fp.get((r["prompt_tokens"], r["clients"]))
+        ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r['spec']} | {r['clients']} | {r['prompt_tokens']} | {r['tokens_per_s']:.1f} | {ratio} | "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | {1000 * (r['token_latency_p50_s'] or 0):.0f} / "
+            f"{1000 * (r['token_latency_p95_s'] or 0):.0f} | {len(r['failed']) + len(r['corrupted'])} | "
+            f"{(r['peak_rss_bytes'] or 0) / 2**20:.0f} |")
+    budget = result["kv_budget_bytes"] / 2**20
+    lines += ["", f"| cache | tokens | KV bytes / sequence | vs fp16 | sequences in {budget:.0f} MiB |", "|---|---|---|---|---|"]
+    for m in result["memory"]:
+        lines.append(f"| {m['spec']} | {m['tokens']} | {m['bytes'] / 2**20:.2f} MiB | "
+                     f"{m['bytes'] / m['fp16_bytes']:.2f}x | {m['sequences_in_budget']} |")
+    return "\n".join(lines)
+
+
+def save_plot(result: dict, path) -> str | None:
+    """Aggregate tokens/s against concurrent clients, one line per cache and prompt length."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional dependency
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = dict.fromkeys((r["spec"], r["prompt_tokens"]) for r in result["runs"])
+    for spec, length in keys:
+        rs = [r for r in result["runs"] if (r["spec"], r["prompt_tokens"]) == (spec, length)]
+        ax.plot([r["clients"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"{spec}, {length} tok")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("generated tokens/s (all clients)")
+    ax.set_title(f"oiq-server throughput, {result['model']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
