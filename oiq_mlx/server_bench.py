@@ -2,10 +2,11 @@
 subprocess, concurrent load, and the KV capacity figure.
 
 ``scripts/bench_server.py`` is the front end; the tests use :class:`ServerProcess`
-and :func:`complete`.  Every configuration is served by the same code path
-(``python -m oiq_mlx.server``): ``fp`` with ``--no-oiq`` (mlx-lm's batched
-full-precision server), ``mlx:B`` with ``--no-oiq --kv-bits B`` (mlx-lm's
-quantized cache, which mlx-lm serves one request at a time) and OIQ presets.
+and :func:`complete`.  Every configuration (a name :func:`oiq_mlx.specs.parse_spec` reads) is served
+by the same code path (``python -m oiq_mlx.server``): ``fp`` with
+``--no-oiq`` (mlx-lm's batched full-precision server), ``mlx:B`` with
+``--no-oiq --kv-bits B --quantized-kv-start 0`` (mlx-lm's quantized cache,
+which mlx-lm serves one request at a time) and OIQ configurations.
 """
 
 from __future__ import annotations
@@ -25,12 +26,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from . import models
 from .cli import _resolve_model
-from .config import OIQConfig
-from .integration import make_oiq_cache
+from .specs import parse_spec
 
 
 def free_port() -> int:
@@ -211,55 +210,8 @@ def run_clients(port: int, prompts, max_tokens: int, *, stream: bool = True, cha
 
 
 def server_args(spec: str) -> list:
-    """``oiq-server`` flags of a cache configuration name.
-
-    ``fp``: ``--no-oiq`` (mlx-lm's full-precision batched server);
-    ``mlx:B``: ``--no-oiq --kv-bits B`` (mlx-lm's quantized cache, served one
-    request at a time); ``preset:NAME`` or ``preset:NAME[field=value,...]``:
-    ``--preset NAME --field value ...`` (OIQ).
-    """
-    if spec == "fp":
-        return ["--no-oiq"]
-    if spec.startswith("mlx:"):
-        bits = spec[4:]
-        if not bits.isdigit():
-            raise ValueError(f"cache configuration {spec!r}: mlx:B needs integer bits")
-        return ["--no-oiq", "--kv-bits", bits]
-    if spec.startswith("preset:"):
-        name, _, fields = spec[7:].partition("[")
-        args = ["--preset", name]
-        if fields:
-            if not fields.endswith("]"):
-                raise ValueError(f"cache configuration {spec!r}: unclosed '['")
-            for item in filter(None, fields[:-1].split(",")):
-                key, eq, value = item.partition("=")
-                if not eq:
-                    raise ValueError(f"cache configuration {spec!r}: {item!r} is not field=value")
-                args += [f"--{key.strip().replace('_', '-')}", value.strip()]
-        return args
-    raise ValueError(f"unknown cache configuration {spec!r}: use fp, mlx:B or preset:NAME[field=value,...]")
-
-
-def spec_cache(model, spec: str) -> list:
-    """A one-sequence cache of ``model`` as the server builds it for ``spec``."""
-    args = server_args(spec)
-    if spec == "fp":
-        return make_prompt_cache(model)
-    if spec.startswith("mlx:"):
-        return [QuantizedKVCache(group_size=64, bits=int(args[2])) if type(c).__name__ == "KVCache" else c
-                for c in make_prompt_cache(model)]
-    preset, fields = args[1], dict(zip(args[2::2], args[3::2]))
-    overrides = {k[2:].replace("-", "_"): _number(v) for k, v in fields.items()}
-    return make_oiq_cache(model, OIQConfig.preset(preset, **overrides))
-
-
-def _number(text: str):
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+    """``oiq-server`` flags of a cache configuration name (:func:`oiq_mlx.specs.parse_spec`)."""
+    return parse_spec(spec).server_args()
 
 
 def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -> dict:
@@ -270,7 +222,7 @@ def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -
     args = model.args
     n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    cache = spec_cache(model, spec)
+    cache = parse_spec(spec).make_cache(model)
     key = mx.random.key(seed)
     for c in cache:
         for start in range(0, tokens, 1024):

@@ -31,7 +31,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", help="demo, gemma3, a .gguf path or an mlx-lm model id (default demo)")
     parser.add_argument("--caches", default="fp,mlx:4,preset:4bit,preset:3bit",
-                        help="comma-separated cache configurations: fp, mlx:B, preset:NAME[field=value;...] "
+                        help="comma-separated cache configurations, any name oiq_mlx.specs.parse_spec reads "
+                             "(the registry eval_quality.py, bench_latency.py and fidelity_sweep.py share): fp, "
+                             "mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...], oiq-4, ... "
                              "(default fp,mlx:4,preset:4bit,preset:3bit)")
     parser.add_argument("--clients", default="1,4,8,16", help="concurrent clients (default 1,4,8,16)")
     parser.add_argument("--lengths", default="512,2k,8k", help="prompt lengths in tokens, k suffix allowed (default 512,2k,8k)")
@@ -49,9 +51,9 @@ def main(argv=None) -> int:
 
     import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core)
     from oiq_mlx import server_bench
+    from oiq_mlx.specs import split_spec_list
 
-    # ';' separates fields inside [...] so that ',' can separate configurations
-    specs = [s.strip().replace(";", ",") for s in args.caches.split(",") if s.strip()]
+    specs = split_spec_list(args.caches)
     try:
         for s in specs:
             server_bench.server_args(s)

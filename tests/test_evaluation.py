@@ -13,6 +13,7 @@ from mlx_lm.models import llama
 
 from oiq_mlx import evaluation as ev
 from oiq_mlx.cache import OIQKVCache
+from oiq_mlx.specs import parse_spec, split_spec_list
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBED_SCALE = 4.0
@@ -154,12 +155,12 @@ def test_select_caches_puts_fp_first_and_rejects_unknown():
 
 
 def test_custom_oiq_cache_names():
-    names = ev.split_cache_list("oiq-4, oiq[k_bits=4,v_bits=3,window=64,clip=true],mlx-q4-g64")
+    names = split_spec_list("oiq-4, oiq[k_bits=4,v_bits=3,window=64,clip=true],mlx-q4-g64")
     assert names == ["oiq-4", "oiq[k_bits=4,v_bits=3,window=64,clip=true]", "mlx-q4-g64"]
     spec = ev.select_caches(names)[2]
     assert (spec.oiq.k_bits, spec.oiq.v_bits, spec.oiq.window, spec.oiq.clip) == (4, 3, 64, True)
     with pytest.raises(ValueError):
-        ev.parse_cache("oiq[nonsense=1]")
+        parse_spec("oiq[nonsense=1]")
 
 
 # ---------------------------------------------------------------- fidelity
@@ -240,7 +241,7 @@ def test_needle_grid_values_on_constructed_answers(monkeypatch):
         return f" {int(key) + 1 if oiq and depth < 0.4 else key}."
 
     monkeypatch.setattr(ev, "greedy_answer", answer)
-    res = ev.needle_eval(tiny_llama(vocab=256), tok, [ev.parse_cache("fp"), ev.parse_cache("oiq-4")], filler_text=FILLER,
+    res = ev.needle_eval(tiny_llama(vocab=256), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
                          lengths=(300, 600), depths=(0.0, 0.25, 1.0), chat=False, seed=3)
     assert res["grid"]["fp"] == [[1, 1, 1], [1, 1, 1]]
     assert res["grid"]["oiq-4"] == [[0, 0, 1], [0, 0, 1]]
