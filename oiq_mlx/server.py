@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import mlx_lm.server as _server
@@ -56,11 +57,16 @@ def use_oiq_caches(model, config: OIQConfig):
     """
     own = getattr(model, "make_cache", None)
 
-    def make_cache():
-        base = own() if own is not None else [KVCache() for _ in model.layers]
-        return make_oiq_cache(model, config, base=base)
+    def base():
+        return own() if own is not None else [KVCache() for _ in model.layers]
 
-    make_cache()
+    def make_cache():
+        # which layers stay full precision is said once, below; not per request
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make_oiq_cache(model, config, base=base())
+
+    make_oiq_cache(model, config, base=base())
     make_cache.oiq_config = config
     model.make_cache = make_cache
     return model
