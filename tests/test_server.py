@@ -14,6 +14,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from oiq_mlx import OIQConfig, demo_model_path, load, make_oiq_cache
+from oiq_mlx.server import main as server_main
 from oiq_mlx.server_bench import ServerProcess, complete, request, run_clients
 
 pytestmark = pytest.mark.slow
@@ -137,3 +138,10 @@ def test_sigterm_stops_the_server_within_seconds(tmp_path):
         assert complete(server.port, PROMPTS[0], 2).n_tokens == 2
     assert server.proc.returncode == 0, server.log()
     assert server.exit_seconds < 5
+
+
+def test_bad_server_options_fail_before_serving(capsys):
+    assert server_main(["--kv-bits", "4"]) == 2
+    assert "--kv-bits selects mlx-lm's own quantized cache; add --no-oiq" in capsys.readouterr().err
+    assert server_main(["--preset", "9bit"]) == 2
+    assert "unknown OIQ preset '9bit'" in capsys.readouterr().err
