@@ -179,3 +179,30 @@ def _prefill_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.arr
     return mx.fast.scaled_dot_product_attention(
         q.astype(compute), keys, values, scale=1.0, mask=mask, sinks=sinks
     )
+
+
+def oiq_batch_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:
+    """Attention of a batch over a :class:`~oiq_mlx.batch_cache.BatchOIQKVCache`.
+
+    Each sequence attends over its own cache with :func:`oiq_attention` and
+    its row of ``mask`` (``(B, 1, L, T)``, its keys right-aligned in the last
+    ``offset`` columns; None: every key).  A sequence whose cache is still
+    empty (only padding in this step) gets zeros, which nothing reads.
+
+    Returns ``(B, n_q_heads, L, v_head_dim)`` in ``queries.dtype``.
+    """
+    B, n_q, L, _ = queries.shape
+    if B != len(cache.caches):
+        raise ValueError(f"queries hold {B} sequences, the cache {len(cache.caches)}")
+    filled = [c for c in cache.caches if not c.empty()]
+    if not filled:
+        raise ValueError("attention over a batch whose caches are all empty")
+    v_dim = filled[0].v.head_dim
+    outs = []
+    for i, c in enumerate(cache.caches):
+        if c.empty():
+            outs.append(mx.zeros((1, n_q, L, v_dim), queries.dtype))
+            continue
+        m = None if mask is None else mask[i : i + 1, ..., mask.shape[-1] - c.offset :]
+        outs.append(oiq_attention(queries[i : i + 1], c, scale=scale, mask=m, sinks=sinks))
+    return mx.concatenate(outs, axis=0) if B > 1 else outs[0]

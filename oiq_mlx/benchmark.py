@@ -35,71 +35,64 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_promp
 
 from .attention import oiq_attention
 from .cache import OIQKVCache
-from .config import PRESETS, OIQConfig
-from .integration import install, make_oiq_cache
+from .config import OIQConfig
+from .integration import install
+from .specs import CacheSpec, parse_spec
 
-MLX_GROUP_SIZE = 64  # mlx-lm QuantizedKVCache default
 MLX_QUANTIZED_KV_START = 0  # quantize from the first prefill chunk on (mlx_lm's default start is 5000)
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_CONTEXTS = (512, 2048)
 
 
-@dataclasses.dataclass(frozen=True)
-class CacheSpec:
-    """One cache configuration: ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` in the
-    model's dtype), ``"mlx"`` (mlx-lm ``QuantizedKVCache``, group 64) or
-    ``"oiq"`` (:class:`OIQKVCache` with ``config``)."""
+def model_cache(spec: CacheSpec, model) -> list:
+    """The cache the model runs start from: OIQ, else mlx-lm's own (``mlx``
+    caches are converted by :func:`after_chunk`, as ``mlx_lm.generate`` does)."""
+    if spec.kind == "oiq":
+        return spec.make_cache(model)
+    return make_prompt_cache(model)
 
-    name: str
-    kind: str
-    bits: int | None = None
-    config: OIQConfig | None = None
 
-    def make_model_cache(self, model) -> list:
-        if self.kind == "oiq":
-            return make_oiq_cache(model, self.config)
-        return make_prompt_cache(model)
+def after_chunk(spec: CacheSpec, cache: list) -> None:
+    """What ``mlx_lm.generate`` does after each prefill chunk: with
+    ``kv_bits`` set, convert every cache that holds ``quantized_kv_start``
+    (here 0) tokens to ``QuantizedKVCache``, so the first chunk runs in
+    full precision and later chunks and decoding on the quantized cache."""
+    if spec.kind == "mlx":
+        maybe_quantize_kv_cache(cache, MLX_QUANTIZED_KV_START, spec.group_size, spec.bits)
 
-    def after_chunk(self, cache: list) -> None:
-        """What ``mlx_lm.generate`` does after each prefill chunk: with
-        ``kv_bits`` set, convert every cache that holds ``quantized_kv_start``
-        (here 0) tokens to ``QuantizedKVCache``, so the first chunk runs in
-        full precision and later chunks and decoding on the quantized cache."""
-        if self.kind == "mlx":
-            maybe_quantize_kv_cache(cache, MLX_QUANTIZED_KV_START, MLX_GROUP_SIZE, self.bits)
 
-    def make_layer_cache(self):
-        if self.kind == "oiq":
-            return OIQKVCache(self.config, layer_idx=0)
-        if self.kind == "mlx":
-            return QuantizedKVCache(group_size=MLX_GROUP_SIZE, bits=self.bits)
-        return KVCache()
+def layer_cache(spec: CacheSpec):
+    if spec.kind == "oiq":
+        return OIQKVCache(spec.oiq, layer_idx=0)
+    if spec.kind == "mlx":
+        return QuantizedKVCache(group_size=spec.group_size, bits=spec.bits)
+    return KVCache()
 
-    def describe(self) -> dict:
-        d = {"name": self.name, "kind": self.kind, "bits": self.bits}
-        if self.config is not None:
-            d["oiq_config"] = dataclasses.asdict(self.config)
-        if self.kind == "mlx":
-            d["group_size"] = MLX_GROUP_SIZE
-            d["quantized_kv_start"] = MLX_QUANTIZED_KV_START
-        return d
+
+def describe(spec: CacheSpec) -> dict:
+    d = {"name": spec.name, "kind": spec.kind, "bits": None if spec.kind == "fp" else spec.bits}
+    if spec.oiq is not None:
+        d["oiq_config"] = dataclasses.asdict(spec.oiq)
+    if spec.kind == "mlx":
+        d["group_size"] = spec.group_size
+        d["quantized_kv_start"] = MLX_QUANTIZED_KV_START
+    return d
 
 
 def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), oiq_config: OIQConfig | None = None, fp: bool = True):
-    """fp, then mlx-lm quantized at each of ``mlx_bits``, then OIQ with
-    ``k_bits = v_bits`` at each of ``oiq_bits``: the preset of that name
+    """fp, then mlx-lm quantized at each of ``mlx_bits`` (group 64), then OIQ
+    with ``k_bits = v_bits`` at each of ``oiq_bits``: the preset of that name
     (``OIQConfig.preset("4bit")`` ...) where one exists, else the defaults; with
-    ``oiq_config``, its other fields instead."""
-    specs = [CacheSpec("fp", "fp")] if fp else []
-    specs += [CacheSpec(f"mlx-q{b}", "mlx", bits=b) for b in mlx_bits]
+    ``oiq_config``, its other fields instead.  Named as
+    :func:`oiq_mlx.specs.parse_spec` reads them (``mlx-q4``, ``oiq-4bit``)."""
+    specs = [parse_spec("fp")] if fp else []
+    specs += [parse_spec(f"mlx-q{b}") for b in mlx_bits]
     for b in oiq_bits:
+        spec = parse_spec(f"oiq-{b}bit")
         if oiq_config is not None:
-            cfg = dataclasses.replace(oiq_config, k_bits=b, v_bits=b)
-        elif f"{b}bit" in PRESETS:
-            cfg = OIQConfig.preset(f"{b}bit")
-        else:
-            cfg = OIQConfig(k_bits=b, v_bits=b)
-        specs.append(CacheSpec(f"oiq-{b}bit", "oiq", bits=b, config=cfg))
+            spec = dataclasses.replace(spec, oiq=dataclasses.replace(oiq_config, k_bits=b, v_bits=b),
+                                       description=f"OIQ {b}-bit, the given config's other fields")
+        specs.append(spec)
     return specs
 
 
@@ -228,7 +221,7 @@ def _prefill(model, spec: CacheSpec, cache, tokens: list[int], chunk: int) -> tu
         before = _start_peak()
         t0 = time.perf_counter()
         model(mx.array(tokens[i : i + chunk])[None], cache=cache)
-        spec.after_chunk(cache)
+        after_chunk(spec, cache)
         mx.eval(_arrays(cache))
         seconds += time.perf_counter() - t0
         peak = max(peak, held + _peak_since(before))
@@ -262,7 +255,7 @@ def run_model(
     cache is evaluated, as in ``mlx_lm.generate``), then all configurations
     run ``warmup + decode_steps`` decode steps, one step each in turn; the
     last ``decode_steps`` are timed.  mlx-lm quantized caches instead
-    prefill from scratch at every context (see :meth:`CacheSpec.after_chunk`).
+    prefill from scratch at every context (see :func:`after_chunk`).
     A step is a full forward pass of one
     token, the greedy argmax and evaluating the cache; the token fed is the
     next prompt token (teacher forcing: same work as free-running decoding,
@@ -290,7 +283,7 @@ def run_model(
     if not stages:
         return []
     tokens = prompt_tokens(tokenizer, stages[-1][1] + n_dec, text)
-    caches = [spec.make_model_cache(model) for spec in specs]
+    caches = [model_cache(spec, model) for spec in specs]
     prefill = [[0.0, 0] for _ in specs]
     fed = 0
     records = []
@@ -303,7 +296,7 @@ def run_model(
                 # mlx_lm.generate prefills the first chunk in full precision and quantizes
                 # after it: continuing a cache quantized at a shorter context would not
                 start, prefill[i] = 0, [0.0, 0]
-                caches[i] = spec.make_model_cache(model)
+                caches[i] = model_cache(spec, model)
             cache = caches[i]
             seconds, peak = _prefill(model, spec, cache, tokens[start:n_prompt], prefill_chunk)
             prefill[i][0] += seconds
@@ -312,7 +305,7 @@ def run_model(
                 "context": n,
                 "prompt_tokens": n_prompt,
                 "cache": spec.name,
-                **{k: v for k, v in spec.describe().items() if k != "name"},
+                **{k: v for k, v in describe(spec).items() if k != "name"},
                 "prefill_s": prefill[i][0],
                 "prefill_tokens_per_s": n_prompt / prefill[i][0],
                 "prefill_peak_bytes": prefill[i][1],
@@ -389,7 +382,7 @@ def _attention_call(spec: CacheSpec, cache, fetched, q, scale):
     keys, values = fetched
     if spec.kind == "mlx":
         return quantized_scaled_dot_product_attention(q, keys, values, scale=scale, mask=None,
-                                                      group_size=MLX_GROUP_SIZE, bits=spec.bits)
+                                                      group_size=spec.group_size, bits=spec.bits)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=None)
 
 
@@ -437,7 +430,7 @@ def run_attention(
     for n in contexts:
         caches, rows = [], []
         for spec in specs:
-            cache = spec.make_layer_cache()
+            cache = layer_cache(spec)
             for i in range(0, n, fill_chunk):
                 m = min(fill_chunk, n - i)
                 k1, k2, key = mx.random.split(key, 3)
@@ -446,7 +439,7 @@ def run_attention(
                 mx.eval(_arrays(cache))
             caches.append(cache)
             rows.append({
-                "context": n, "cache": spec.name, **{k: v for k, v in spec.describe().items() if k != "name"},
+                "context": n, "cache": spec.name, **{k: v for k, v in describe(spec).items() if k != "name"},
                 "n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
                 "dtype": str(dtype).split(".")[-1], "append_ms": [], "attention_ms": [], "bytes_read": [],
             })

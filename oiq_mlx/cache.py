@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import dispatch
+from .batch_cache import BatchOIQKVCache, detached_copy
 from .codec import _FP16_MAX, bytes_per_token, dequantize
 from .config import OIQConfig
 from .rotation import random_signs, rotate, unrotate
@@ -434,6 +435,16 @@ class OIQKVCache(_BaseCache):
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def __deepcopy__(self, memo):
+        # mlx-lm's prompt cache deep-copies caches; mx.Dtype cannot be, and
+        # arrays are values, so new handles on the same data are a full copy
+        return detached_copy(self)
+
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batching hook: one :class:`~oiq_mlx.batch_cache.BatchOIQKVCache` over ``caches``."""
+        return BatchOIQKVCache.merge(caches)
 
     @property
     def nbytes(self) -> int:

@@ -35,10 +35,11 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import load_prompt_cache as _mlx_load_prompt_cache
 from mlx_lm.models.cache import make_prompt_cache
 
-from .benchmark import CacheSpec, run_model
+from .benchmark import run_model
 from .cache import OIQKVCache
 from .config import OIQConfig
 from .integration import _leaves, kv_memory, make_oiq_cache, oiq_layer_indices
+from .specs import CacheSpec
 
 SHARDINGS = ("tensor", "pipeline")
 
@@ -284,15 +285,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class ShardedCacheSpec(CacheSpec):
-    """A :class:`~oiq_mlx.benchmark.CacheSpec` whose OIQ caches are built for a
+    """A :class:`~oiq_mlx.specs.CacheSpec` whose OIQ caches are built for a
     sharded model (``layout`` None: unsharded)."""
 
     layout: ShardLayout | None = None
 
-    def make_model_cache(self, model) -> list:
+    @classmethod
+    def of(cls, spec: CacheSpec, layout: ShardLayout | None) -> "ShardedCacheSpec":
+        return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}, layout=layout)
+
+    def make_cache(self, model) -> list:
         if self.layout is None or self.kind != "oiq":
-            return super().make_model_cache(model)
-        return make_cache(model, self.config, self.layout)
+            return super().make_cache(model)
+        return make_cache(model, self.oiq, self.layout)
 
 
 class ByteTokenizer:
@@ -342,7 +347,7 @@ def bench_sharded(load_model, tokenizer, group, *, shardings, specs, contexts, d
     for sharding in shardings:
         model = load_model()
         layout = shard_model(model, sharding, group)
-        sharded = [ShardedCacheSpec(s.name, s.kind, s.bits, s.config, layout) for s in specs]
+        sharded = [ShardedCacheSpec.of(s, layout) for s in specs]
         records = run_model(model, tokenizer, contexts=contexts, specs=sharded, decode_steps=decode_steps,
                             warmup=warmup, prefill_chunk=prefill_chunk, progress=progress if rank == 0 else None)
         mine = mx.array([[r["kv_bytes"] for r in records]], dtype=mx.int64)

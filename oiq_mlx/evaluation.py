@@ -33,7 +33,6 @@ import random
 import re
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import mlx.core as mx
@@ -44,119 +43,10 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from .attention import oiq_attention
 from .cache import OIQKVCache, layer_seed
 from .config import OIQConfig
-from .integration import install, make_oiq_cache, model_head_dim, oiq_layer_indices
+from . import models
+from .integration import install, model_head_dim, oiq_layer_indices
 from .rotation import random_signs, rotate
-
-FP16_BYTES = 2
-
-
-# ---------------------------------------------------------------- caches under test
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheSpec:
-    """One cache under test.
-
-    ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` at the model dtype), ``"mlx"``
-    (mlx-lm ``QuantizedKVCache(group_size, bits)``, affine, used from token 0
-    as ``generate_step``'s ``quantized_kv_start=0`` does) or ``"oiq"``
-    (:class:`OIQKVCache` with ``oiq``).
-    """
-
-    name: str
-    kind: str
-    bits: int = 16
-    group_size: int = 0
-    oiq: OIQConfig | None = None
-    description: str = ""
-
-    def make_cache(self, model) -> list:
-        """A fresh prompt cache for ``model``; layers other than plain
-        ``KVCache`` (sliding-window, SSM) stay mlx-lm's own for every kind."""
-        if self.kind == "fp":
-            return make_prompt_cache(model)
-        if self.kind == "mlx":
-            return [
-                c.to_quantized(group_size=self.group_size, bits=self.bits) if type(c) is KVCache else c
-                for c in make_prompt_cache(model)
-            ]
-        if self.kind == "oiq":
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return make_oiq_cache(model, self.oiq)
-        raise ValueError(f"unknown cache kind {self.kind!r}")
-
-    def bytes_per_token(self, head_dim: int, tokens: int | None = None, layers=None) -> float:
-        """Bytes per token per KV head, keys and values together, counting
-        every float as fp16 (2 bytes).
-
-        ``tokens=None``: asymptotic (the quantized segment only).  With
-        ``tokens``: amortized over a sequence of that length, i.e. OIQ's sink
-        and window tokens at full precision and its per-layer means included.
-        ``layers``: the model's OIQ layer indices, needed (and averaged over)
-        when the config has ``layer_bits``.
-        """
-        if self.kind == "fp":
-            return 2 * head_dim * FP16_BYTES
-        if self.kind == "mlx":
-            groups = -(-head_dim // self.group_size)
-            return 2 * (head_dim * self.bits / 8 + 2 * groups * FP16_BYTES)
-        cfg = self.oiq
-        asym = cfg.bytes_per_token(head_dim, layers)
-        if tokens is None:
-            return asym
-        dim = cfg.storage_dim(head_dim)
-        if tokens <= cfg.quantize_after:
-            n_full = tokens
-        else:
-            n_full = min(tokens, cfg.sink_tokens) + min(max(tokens - cfg.sink_tokens, 0), cfg.window)
-        n_quant = tokens - n_full
-        vectors = int(cfg.center_keys) + int(cfg.center_values) + int(bool(cfg.key_scaling))
-        means = vectors * dim * FP16_BYTES
-        return (n_quant * asym + n_full * 2 * dim * FP16_BYTES + means) / tokens
-
-    def supports(self, head_dim: int) -> str | None:
-        """None when this cache can hold heads of ``head_dim``, else why not."""
-        if self.kind == "mlx" and head_dim % self.group_size:
-            return f"group {self.group_size} does not divide head_dim {head_dim}"
-        if self.kind == "oiq":
-            try:
-                self.oiq.storage_dim(head_dim)
-            except ValueError as e:
-                return str(e)
-        return None
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "oiq": None if self.oiq is None else dataclasses.asdict(self.oiq),
-            "description": self.description,
-        }
-
-
-def _plain(bits: int, **kw) -> OIQConfig:
-    return OIQConfig(k_bits=bits, v_bits=bits, sink_tokens=0, window=0, center_keys=False, key_scaling=0.0, **kw)
-
-
-def cache_registry() -> dict[str, CacheSpec]:
-    """Every named cache the evaluation knows, in report order."""
-    specs = [CacheSpec("fp", "fp", description="mlx-lm KVCache at the model dtype (reference)")]
-    for g in (64, 32):
-        for b in (8, 4):
-            specs.append(CacheSpec(f"mlx-q{b}-g{g}", "mlx", b, g, description=f"mlx-lm QuantizedKVCache affine {b}-bit group {g}"))
-    specs.append(CacheSpec("absmax-4", "oiq", 4, 32, _plain(4, rotation="none"), "abs-max 4-bit g32, no rotation, no sinks/window/centering"))
-    specs.append(CacheSpec("oiq-nosigns-4", "oiq", 4, 32, _plain(4, rotation="hadamard_nosigns"), "Hadamard without random signs, 4-bit g32, plain"))
-    for b in (4, 3, 2):
-        specs.append(CacheSpec(f"oiq-plain-{b}", "oiq", b, 32, _plain(b), f"OIQ {b}-bit g32, no sinks/window/centering"))
-    for b in (4, 3, 2):
-        specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, OIQConfig.preset(f"{b}bit"),
-                               f"OIQ preset '{b}bit' (sinks 4, window 64, key mean + scaling{', clip' if b < 4 else ''})"))
-    specs.append(CacheSpec("oiq-8", "oiq", 8, 32, OIQConfig(k_bits=8, v_bits=8), "OIQ 8-bit g32, defaults"))
-    return {s.name: s for s in specs}
-
+from .specs import CacheSpec, cache_registry, parse_spec  # noqa: F401 (cache_registry: for the scripts)
 
 DEFAULT_CACHES = (
     "fp", "mlx-q8-g64", "mlx-q4-g64", "mlx-q8-g32", "mlx-q4-g32", "absmax-4", "oiq-nosigns-4",
@@ -166,44 +56,10 @@ FULL_NEEDLE_CACHES = ("fp", "mlx-q8-g64", "mlx-q4-g64", "absmax-4", "oiq-4", "oi
 QUICK_NEEDLE_CACHES = ("fp", "mlx-q4-g64", "oiq-4")
 
 
-def parse_cache(name: str) -> CacheSpec:
-    """A registry name, or a custom OIQ cache written ``oiq[field=value,...]``
-    with :class:`OIQConfig` fields, e.g. ``oiq[k_bits=4,v_bits=3,window=64]``."""
-    reg = cache_registry()
-    if name in reg:
-        return reg[name]
-    m = re.fullmatch(r"oiq\[(.*)\]", name.replace(" ", ""))
-    if m is None:
-        raise ValueError(f"unknown cache {name!r}; known: {', '.join(reg)}, or oiq[field=value,...]")
-    fields = {f.name: f.type for f in dataclasses.fields(OIQConfig)}
-    kw = {}
-    for item in filter(None, m.group(1).split(",")):
-        key, _, value = item.partition("=")
-        if key not in fields:
-            raise ValueError(f"{key!r} is not an OIQConfig field ({', '.join(fields)})")
-        if value in ("True", "False", "true", "false"):
-            kw[key] = value.lower() == "true"
-        else:
-            try:
-                kw[key] = int(value)
-            except ValueError:
-                try:
-                    kw[key] = float(value)
-                except ValueError:
-                    kw[key] = value
-    cfg = OIQConfig(**kw)
-    return CacheSpec(name.replace(" ", ""), "oiq", cfg.k_bits, cfg.group_size, cfg, f"custom OIQ {kw}")
-
-
-def split_cache_list(text: str) -> list[str]:
-    """Split a comma-separated cache list, keeping commas inside ``[...]``."""
-    return [x.strip() for x in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if x.strip()]
-
-
 def select_caches(names) -> list[CacheSpec]:
-    """Specs for ``names`` (registry names or ``oiq[...]``), ``fp`` always first."""
+    """Specs for ``names`` (anything :func:`oiq_mlx.specs.parse_spec` reads), ``fp`` always first."""
     names = ["fp"] + [n for n in dict.fromkeys(names) if n != "fp"]
-    return [parse_cache(n) for n in names]
+    return [parse_spec(n) for n in names]
 
 
 # ---------------------------------------------------------------- metrics
@@ -738,16 +594,9 @@ def quick_settings(**overrides) -> EvalSettings:
 def load_model(name: str):
     """``"demo"`` (SmolLM2-135M), ``"gemma3"`` (Gemma 3 270M), a ``.gguf`` path or
     an mlx-lm model id; returns ``(model, tokenizer, resolved_path)``."""
-    from . import models
-
-    if name == "demo":
-        path = models.demo_model_path()
-    elif name == "gemma3":
-        path = models.gemma3_model_path()
-    else:
-        path = name
+    path = models.resolve_model(name)
     model, tokenizer = models.load(path)
-    return model, tokenizer, str(path)
+    return model, tokenizer, path
 
 
 def load_text(path: str | None) -> str:

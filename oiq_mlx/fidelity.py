@@ -7,8 +7,9 @@ the same cache; perplexity, KL(fp || cache), top-1 agreement) and
 :func:`oiq_mlx.evaluation.attention_fidelity` (per-layer attention-output
 cosine).  This module adds:
 
-* :func:`parse_spec`: caches by text, including ``preset:NAME`` and mlx-lm
-  affine caches at any bits (``mlx:BITS[:GROUP]``);
+* caches by text through the shared registry (:func:`oiq_mlx.specs.parse_spec`,
+  re-exported here), including ``preset:NAME`` and mlx-lm affine caches at any
+  bits (``mlx:BITS[:GROUP]``);
 * :func:`sweep`: one row per cache with the bytes it spends per token and KV
   head (keys + values; asymptotic, and amortized with the full-precision sinks
   and window) next to its perplexity change, KL and top-1;
@@ -27,48 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import evaluation
-from .config import OIQConfig
 from .integration import install, model_head_dim, oiq_layer_indices
-
-
-def _value(text: str):
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_spec(text: str) -> evaluation.CacheSpec:
-    """A cache from text: anything :func:`oiq_mlx.evaluation.parse_cache` knows
-    (registry names such as ``fp``, ``mlx-q4-g64``, ``oiq-4``; ``oiq[field=value,...]``),
-    ``mlx:BITS`` / ``mlx:BITS:GROUP`` (mlx-lm affine ``QuantizedKVCache``, group 64
-    by default), or ``preset:NAME`` / ``preset:NAME[field=value,...]`` (an
-    :meth:`OIQConfig.preset` with fields overridden)."""
-    if text.startswith("mlx:"):
-        parts = text.split(":")[1:]
-        bits = int(parts[0])
-        group = int(parts[1]) if len(parts) > 1 else 64
-        return evaluation.CacheSpec(f"mlx-q{bits}-g{group}", "mlx", bits, group,
-                                    description=f"mlx-lm QuantizedKVCache affine {bits}-bit group {group}")
-    if text.startswith("preset:"):
-        rest = text[len("preset:"):].replace(" ", "")
-        name, _, fields = rest.partition("[")
-        cfg = OIQConfig.preset(name)
-        kw = {}
-        for item in filter(None, fields.rstrip("]").split(",")):
-            key, eq, value = item.partition("=")
-            if not eq:
-                raise ValueError(f"cache {text!r}: {item!r} is not field=value")
-            kw[key] = _value(value)
-        cfg = dataclasses.replace(cfg, **kw)
-        return evaluation.CacheSpec(text.replace(" ", ""), "oiq", cfg.k_bits, cfg.group_size, cfg,
-                                    f"OIQConfig.preset({name!r}) {kw or ''}".strip())
-    return evaluation.parse_cache(text)
+from .specs import parse_spec
 
 
 def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, chunk: int = 1,
@@ -83,7 +44,7 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     install()
     specs = list(specs)
     if not specs or specs[0].kind != "fp":
-        specs = [evaluation.parse_cache("fp")] + [s for s in specs if s.kind != "fp"]
+        specs = [parse_spec("fp")] + [s for s in specs if s.kind != "fp"]
     head_dim = model_head_dim(model)
     layers = oiq_layer_indices(model)
     res = evaluation.perplexity_eval(model, tokens, specs, prompt_len=prompt_len, score_len=score_len,

@@ -32,7 +32,8 @@ import mlx_lm.models.base as _base
 import mlx_lm.models.cache as _cache_mod
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
-from .attention import oiq_attention
+from .attention import oiq_attention, oiq_batch_attention
+from .batch_cache import BatchOIQKVCache
 from .cache import OIQKVCache
 from .config import OIQConfig
 
@@ -43,6 +44,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     """mlx-lm's ``scaled_dot_product_attention`` with OIQ caches routed to OIQ attention."""
     if isinstance(cache, OIQKVCache):
         return oiq_attention(queries, cache, scale=scale, mask=mask, sinks=sinks)
+    if isinstance(cache, BatchOIQKVCache):
+        return oiq_batch_attention(queries, cache, scale=scale, mask=mask, sinks=sinks)
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -210,7 +213,8 @@ def model_head_dim(model) -> int | None:
     return None
 
 
-def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = False, first_layer: int = 0) -> list:
+def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = False, first_layer: int = 0,
+                   base: list | None = None) -> list:
     """A prompt cache for ``model`` whose full-attention layers store OIQ.
 
     Raises ``ValueError`` naming the model type and the code at fault for a
@@ -226,14 +230,16 @@ def make_oiq_cache(model, config: OIQConfig | None = None, *, verbose: bool = Fa
 
     ``first_layer``: the layer index (``OIQKVCache.layer_idx``, which seeds
     the signs) of the first cache, for a pipeline stage whose model holds
-    only later layers (``oiq_mlx.distributed``).
+    only later layers (``oiq_mlx.distributed``).  ``base``: the model's own
+    caches to convert, for a caller that replaces ``model.make_cache``
+    (default ``make_prompt_cache(model)``).
     """
     config = config if config is not None else OIQConfig()
     install()
     head_dim = model_head_dim(model)
     if head_dim is not None:
         config.storage_dim(head_dim)
-    base = make_prompt_cache(model)
+    base = make_prompt_cache(model) if base is None else base
     kept = {}
     counter = iter(range(first_layer, 10**9))
 

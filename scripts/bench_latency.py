@@ -78,7 +78,7 @@ def main(argv=None) -> int:
 
     result = {"environment": bench.environment(), "command": sys.argv,
               "settings": {"contexts": contexts, "decode_steps": steps, "warmup": warmup,
-                           "prefill_chunk": args.prefill_chunk, "specs": [s.describe() for s in specs]}}
+                           "prefill_chunk": args.prefill_chunk, "specs": [bench.describe(s) for s in specs]}}
     if args.mode in ("both", "model"):
         from mlx.utils import tree_flatten
 

@@ -21,6 +21,7 @@ import sys
 
 # importing oiq_mlx (first of all MLX users) preloads OpenBLAS on Linux
 from oiq_mlx import evaluation as ev
+from oiq_mlx.specs import split_spec_list
 
 
 def _ints(text):
@@ -32,7 +33,7 @@ def _floats(text):
 
 
 def _names(text):
-    return tuple(ev.split_cache_list(text))
+    return tuple(split_spec_list(text))
 
 
 def main(argv=None):
@@ -51,8 +52,9 @@ def main(argv=None):
                         f"{list(quick.needle_depths)} on {', '.join(quick.needle_caches)}; any option below overrides")
     p.add_argument("--caches", type=_names, default=None,
                    help=f"comma-separated caches to evaluate (fp is always added as the reference). "
-                        f"Default: {','.join(ev.DEFAULT_CACHES)}. Known: {known}. A custom OIQ cache is written "
-                        f"oiq[field=value,...] with OIQConfig fields, e.g. 'oiq[k_bits=4,v_bits=3,window=64]'")
+                        f"Default: {','.join(ev.DEFAULT_CACHES)}. Known: {known}. Also (the registry shared with "
+                        f"bench_latency.py, fidelity_sweep.py, bench_server.py): mlx:B[:G], preset:NAME[field=value,...] "
+                        f"and oiq[field=value,...] with OIQConfig fields, e.g. 'oiq[k_bits=4,v_bits=3,window=64]'")
     p.add_argument("--prompt-len", type=int, default=None,
                    help=f"tokens prefilled through each cache before scoring (default {full.prompt_len})")
     p.add_argument("--score-len", type=int, default=None,

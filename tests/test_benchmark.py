@@ -167,5 +167,5 @@ def test_script_help():
 def test_oiq_settings_are_the_presets():
     specs = {s.name: s for s in bench.default_specs(oiq_bits=(4, 3, 2, 8), mlx_bits=())}
     for b in (4, 3, 2):
-        assert specs[f"oiq-{b}bit"].config == OIQConfig.preset(f"{b}bit")
-    assert specs["oiq-8bit"].config == OIQConfig(k_bits=8, v_bits=8)
+        assert specs[f"oiq-{b}bit"].oiq == OIQConfig.preset(f"{b}bit")
+    assert specs["oiq-8bit"].oiq == OIQConfig(k_bits=8, v_bits=8)

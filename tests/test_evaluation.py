@@ -12,6 +12,8 @@ import pytest
 from mlx_lm.models import llama
 
 from oiq_mlx import evaluation as ev
+from oiq_mlx.cache import OIQKVCache
+from oiq_mlx.specs import parse_spec, split_spec_list
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBED_SCALE = 4.0
@@ -153,12 +155,12 @@ def test_select_caches_puts_fp_first_and_rejects_unknown():
 
 
 def test_custom_oiq_cache_names():
-    names = ev.split_cache_list("oiq-4, oiq[k_bits=4,v_bits=3,window=64,clip=true],mlx-q4-g64")
+    names = split_spec_list("oiq-4, oiq[k_bits=4,v_bits=3,window=64,clip=true],mlx-q4-g64")
     assert names == ["oiq-4", "oiq[k_bits=4,v_bits=3,window=64,clip=true]", "mlx-q4-g64"]
     spec = ev.select_caches(names)[2]
     assert (spec.oiq.k_bits, spec.oiq.v_bits, spec.oiq.window, spec.oiq.clip) == (4, 3, 64, True)
     with pytest.raises(ValueError):
-        ev.parse_cache("oiq[nonsense=1]")
+        parse_spec("oiq[nonsense=1]")
 
 
 # ---------------------------------------------------------------- fidelity
@@ -219,6 +221,34 @@ def test_needle_eval_runs_through_generate_step():
                          lengths=(200,), depths=(0.0, 1.0), chat=False, max_tokens=3)
     assert set(res["grid"]) == {"fp", "oiq-4"}
     assert np.array(res["grid"]["fp"]).shape == (1, 2)
+    # every cell is the verdict on the answer recorded for it
+    for name, grid in res["grid"].items():
+        for row, answers, keys in zip(grid, res["answers"][name], res["passkeys"]):
+            assert row == [int(ev.retrieved_passkey(a) == k) for a, k in zip(answers, keys)]
+
+
+def test_needle_grid_values_on_constructed_answers(monkeypatch):
+    """A stand-in model answers with the passkey in its prompt, except that the
+    OIQ cache misses needles in the first half of the haystack: the grid,
+    the passkeys and the scores must say exactly that."""
+    tok = CharTokenizer()
+
+    def answer(model, tokenizer, ids, cache, max_tokens=8):
+        text = tokenizer.decode(ids)
+        key = text.split("The pass key is ")[1][:5]
+        depth = text.index("The pass key is ") / len(text)
+        oiq = any(isinstance(c, OIQKVCache) for c in cache)
+        return f" {int(key) + 1 if oiq and depth < 0.4 else key}."
+
+    monkeypatch.setattr(ev, "greedy_answer", answer)
+    res = ev.needle_eval(tiny_llama(vocab=256), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
+                         lengths=(300, 600), depths=(0.0, 0.25, 1.0), chat=False, seed=3)
+    assert res["grid"]["fp"] == [[1, 1, 1], [1, 1, 1]]
+    assert res["grid"]["oiq-4"] == [[0, 0, 1], [0, 0, 1]]
+    assert res["score"] == {"fp": 1.0, "oiq-4": pytest.approx(1 / 3)}
+    for L, keys, row in zip((300, 600), res["passkeys"], res["answers"]["fp"]):
+        assert [a.strip(" .") for a in row] == keys
+        assert len(set(keys)) == 3 and all(len(k) == 5 for k in keys)
 
 
 # ---------------------------------------------------------------- report and script

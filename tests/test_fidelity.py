@@ -129,7 +129,7 @@ def test_parse_spec():
     assert s.bytes_per_token(64) == 56
     s = fidelity.parse_spec("preset:2bit[window=8, clip=false]")
     assert s.oiq == OIQConfig.preset("2bit", window=8, clip=False)
-    assert fidelity.parse_spec("oiq-4").oiq == evaluation.parse_cache("oiq-4").oiq
+    assert fidelity.parse_spec("oiq-4").oiq == evaluation.parse_spec("oiq-4").oiq
     with pytest.raises(ValueError, match="unknown OIQ preset"):
         fidelity.parse_spec("preset:1bit")
 

@@ -1,0 +1,196 @@
+"""``oiq-server``: mlx-lm's OpenAI-compatible server with OIQ KV caches, batching kept on.
+
+HTTP (``/v1/chat/completions``, ``/v1/completions``, streaming), continuous
+batching, the prompt cache, every flag and default are ``mlx_lm.server``'s
+own.  oiq_mlx supplies caches and models through three hooks, checked against
+mlx-lm 0.32.2:
+
+* each loaded model gets a ``make_cache`` returning OIQ caches.
+  ``make_prompt_cache`` defers to it, so the batch generator's new caches, the
+  sequential path's caches and the server's batchability test (``merge`` on
+  every cache) all see :class:`~oiq_mlx.cache.OIQKVCache`, whose ``merge``
+  gives a :class:`~oiq_mlx.batch_cache.BatchOIQKVCache`: batching stays on
+  (``kv_bits`` stays None);
+* ``mlx_lm.server.load``, the name ``ModelProvider`` loads with, becomes
+  :func:`load_model`, which also takes ``demo``, ``gemma3`` and ``.gguf`` files
+  and installs that ``make_cache``;
+* ``mlx_lm.server.run`` becomes :func:`run`: it serves with
+  :class:`OIQModelProvider` and :class:`OIQResponseGenerator`, which reject
+  an unknown model name and a prompt past the model's context with a message
+  (before mlx-lm would drop the loaded model or start a prefill), and turns
+  SIGTERM into mlx-lm's own shutdown path (``KeyboardInterrupt``).
+
+The prompt cache (``LRUPromptCache``) holds the OIQ caches themselves: its
+copies are :func:`~oiq_mlx.batch_cache.detached_copy` (new handles on the same
+packed arrays), its byte accounting is ``OIQKVCache.nbytes``, and no
+dequantized float copy is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+
+import mlx_lm.server as _server
+import mlx_lm.utils
+from mlx_lm.models.cache import KVCache
+
+from . import models
+from .models import resolve_model
+from .cli import add_oiq_options, config_from_args
+from .config import OIQConfig
+from .integration import make_oiq_cache
+
+_MLX_LOAD = mlx_lm.utils.load
+
+
+def use_oiq_caches(model, config: OIQConfig):
+    """Make ``model.make_cache()`` (hence mlx-lm's ``make_prompt_cache``) return OIQ caches.
+
+    The model's own cache kinds are kept (see :func:`make_oiq_cache`).
+    Raises ``ValueError`` when ``config`` does not fit the model.
+    """
+    own = getattr(model, "make_cache", None)
+
+    def base():
+        return own() if own is not None else [KVCache() for _ in model.layers]
+
+    def make_cache():
+        # which layers stay full precision is said once, below; not per request
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make_oiq_cache(model, config, base=base())
+
+    make_oiq_cache(model, config, base=base())
+    make_cache.oiq_config = config
+    model.make_cache = make_cache
+    return model
+
+
+def load_model(path_or_repo, adapter_path=None, tokenizer_config=None, return_config=False, *,
+               config: OIQConfig | None, dequantize: bool | None, **kwargs):
+    """``mlx_lm.utils.load`` for the server: also ``demo``, ``gemma3`` and ``.gguf``
+    files; with ``config`` the model's caches are OIQ (:func:`use_oiq_caches`)."""
+    path = resolve_model(str(path_or_repo))
+    if Path(path).suffix.lower() == ".gguf":
+        if adapter_path is not None:
+            raise ValueError("adapters apply to mlx-lm models, not .gguf files")
+        if tokenizer_config and tokenizer_config.get("chat_template"):
+            raise ValueError("--chat-template applies to mlx-lm models, not .gguf files")
+        model, tokenizer = models.load(path, dequantize=dequantize)
+        model_config = {}
+    else:
+        model, tokenizer, model_config = _MLX_LOAD(
+            path, adapter_path=adapter_path, tokenizer_config=tokenizer_config, return_config=True, **kwargs
+        )
+    if config is not None:
+        use_oiq_caches(model, config)
+    return (model, tokenizer, model_config) if return_config else (model, tokenizer)
+
+
+class OIQModelProvider(_server.ModelProvider):
+    def load(self, model_path, adapter_path=None, draft_model_path=None):
+        # mlx-lm resets the loaded model before loading another: refuse bad
+        # names first, so that a typo does not unload the served model
+        resolve_model(self._model_map.get(model_path, model_path), install=False)
+        return super().load(model_path, adapter_path, draft_model_path)
+
+
+def context_length(model) -> int | None:
+    value = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+    return int(value) if value else None
+
+
+class OIQResponseGenerator(_server.ResponseGenerator):
+    def _tokenize(self, tokenizer, request, args):
+        result = super()._tokenize(tokenizer, request, args)
+        limit = context_length(self.model_provider.model)
+        if limit is not None and len(result[0]) >= limit:
+            raise ValueError(
+                f"the prompt has {len(result[0])} tokens; the model's context is {limit} tokens "
+                "(prompt and generated tokens together)"
+            )
+        return result
+
+
+def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
+    """``mlx_lm.server.run`` with the OIQ provider and response generator.
+
+    The default model is loaded here, so that a model or cache configuration
+    that cannot work stops the server with its message before it listens.
+    """
+    provider = OIQModelProvider(model_provider.cli_args)
+    provider.load_default()
+    oiq = getattr(getattr(provider.model, "make_cache", None), "oiq_config", None)
+    logging.info(
+        "oiq_mlx: KV cache %s; continuous batching %s",
+        f"OIQ {oiq.to_json()}" if oiq is not None else "mlx-lm's own (--no-oiq)",
+        "on" if provider.is_batchable and provider.cli_args.kv_bits is None else "off",
+    )
+    prompt_cache = _server.LRUPromptCache(provider.cli_args.prompt_cache_size)
+    generator = OIQResponseGenerator(provider, prompt_cache)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    _server._run_http_server(host, port, generator)
+    # the HTTP server is shut down and the generation thread joined; leaving
+    # through interpreter teardown aborts in MLX's C++ threads ("terminate
+    # called without an active exception", exit -6), so leave directly
+    logging.info("oiq_mlx: server stopped")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="oiq-server",
+        description=(
+            "mlx-lm's OpenAI-compatible HTTP server (mlx_lm.server) with every sequence's KV cache "
+            "stored by OIQ, continuous batching kept on. Every mlx_lm.server flag is accepted "
+            "(--model, --host, --port, --max-tokens, --decode-concurrency, --prompt-cache-size, ...; "
+            "see `mlx_lm.server --help`); --model also takes 'demo', 'gemma3' and .gguf files."
+        ),
+    )
+    add_oiq_options(p)
+    p.add_argument("--dequantize-weights", choices=["auto", "yes", "no"], default="auto",
+                   help="GGUF only: dequantize weights to float32 (auto: on the CPU backend)")
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    try:
+        config = None if args.no_oiq else config_from_args(args)
+    except ValueError as e:
+        print(f"oiq-server: error: {e}", file=sys.stderr)
+        return 2
+    if config is not None and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
+        print("oiq-server: error: --kv-bits selects mlx-lm's own quantized cache; add --no-oiq to use it",
+              file=sys.stderr)
+        return 2
+    if "--model" not in rest and not any(a.startswith("--model=") for a in rest):
+        rest = ["--model", "demo", *rest]
+    dequantize = {"auto": None, "yes": True, "no": False}[args.dequantize_weights]
+    _server.load = functools.partial(load_model, config=config, dequantize=dequantize)
+    _server.run = run
+    saved = sys.argv
+    sys.argv = ["oiq-server", *rest]
+    try:
+        _server.main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"oiq-server: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

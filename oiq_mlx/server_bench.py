@@ -1,0 +1,356 @@
+"""Measure ``oiq-server`` as clients see it: an HTTP client, a server
+subprocess, concurrent load, and the KV capacity figure.
+
+``scripts/bench_server.py`` is the front end; the tests use :class:`ServerProcess`
+and :func:`complete`.  Every configuration (a name :func:`oiq_mlx.specs.parse_spec` reads) is served
+by the same code path (``python -m oiq_mlx.server``): ``fp`` with
+``--no-oiq`` (mlx-lm's batched full-precision server), ``mlx:B`` with
+``--no-oiq --kv-bits B --quantized-kv-start 0`` (mlx-lm's quantized cache,
+which mlx-lm serves one request at a time) and OIQ configurations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from . import models
+from .models import resolve_model
+from .specs import parse_spec
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m oiq_mlx.server ARGS`` on 127.0.0.1 and a free port, as a context manager.
+
+    Entering waits until ``/health`` answers (the model is loaded before the
+    server listens); leaving sends SIGTERM, waits ``stop_timeout`` seconds and
+    kills it if it is still alive.  ``stderr`` of the server goes to ``log_path``.
+    """
+
+    def __init__(self, args, *, log_path, start_timeout: float = 180.0, env=None):
+        self.args, self.log_path, self.start_timeout = list(args), Path(log_path), start_timeout
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        self.port = free_port()
+        self.proc = None
+        self.exit_seconds = None
+
+    def __enter__(self):
+        cmd = [sys.executable, "-m", "oiq_mlx.server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.stop()
+                raise RuntimeError(f"oiq-server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if request(self.port, "GET", "/health", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"oiq-server did not answer /health in {self.start_timeout} s:\n{self.log()}")
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0):
+        """SIGTERM, then SIGKILL after ``timeout`` s; records ``exit_seconds``."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            t0 = time.monotonic()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.exit_seconds = time.monotonic() - t0
+        self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def peak_rss_bytes(self) -> int | None:
+        """Peak resident memory of the server process (Linux ``VmHWM``), None elsewhere."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+        return None
+
+
+def request(port: int, method: str, path: str, body=None, *, timeout: float = 300, raw: bytes | None = None):
+    """One HTTP request; returns ``(status, parsed JSON or text)``."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, path, body=data, headers=headers)
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace")
+        try:
+            return resp.status, json.loads(text)
+        except json.JSONDecodeError:
+            return resp.status, text
+    finally:
+        conn.close()
+
+
+@dataclasses.dataclass
+class Completion:
+    text: str
+    tokens: list | None          # token ids (non-streaming requests)
+    n_tokens: int
+    finish_reason: str | None
+    ttft: float                  # seconds to the first generated text (streaming) or the answer
+    total: float
+    gaps: list                   # seconds between streamed events
+
+
+def complete(port: int, prompt: str, max_tokens: int, *, stream: bool = False, chat: bool = False,
+             timeout: float = 600) -> Completion:
+    """A greedy completion request (``temperature`` 0); raises ``RuntimeError`` on a non-200 answer."""
+    body = {"max_tokens": max_tokens, "temperature": 0.0, "stream": stream}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+        path = "/v1/chat/completions"
+    else:
+        body["prompt"] = prompt
+        path = "/v1/completions"
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    else:
+        body["logprobs"] = True
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", path, body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read().decode(errors='replace')}")
+        if not stream:
+            out = json.loads(resp.read())
+            total = time.perf_counter() - t0
+            choice = out["choices"][0]
+            text = choice["message"]["content"] if chat else choice["text"]
+            tokens = [t["id"] for t in choice.get("logprobs", {}).get("content", [])]
+            return Completion(text, tokens, out["usage"]["completion_tokens"], choice["finish_reason"], total, total, [])
+        text, times, usage, finish = [], [], None, None
+        for line in resp:
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            if event.get("usage") and not event.get("choices"):
+                usage = event["usage"]
+                continue
+            choice = event["choices"][0]
+            piece = choice.get("delta", {}).get("content") if chat else choice.get("text")
+            if piece:
+                text.append(piece)
+                times.append(time.perf_counter() - t0)
+            finish = choice.get("finish_reason") or finish
+        total = time.perf_counter() - t0
+        n = usage["completion_tokens"] if usage else len(times)
+        return Completion("".join(text), None, n, finish, times[0] if times else total, total, list(np.diff(times)))
+    finally:
+        conn.close()
+
+
+def run_clients(port: int, prompts, max_tokens: int, *, stream: bool = True, chat: bool = False):
+    """Send ``prompts`` at once, one thread each; returns ``(completions or exceptions, wall seconds)``."""
+    results = [None] * len(prompts)
+
+    def work(i, p):
+        try:
+            results[i] = complete(port, p, max_tokens, stream=stream, chat=chat)
+        except Exception as e:  # noqa: BLE001 - counted as a failed response by the caller
+            results[i] = e
+
+    threads = [threading.Thread(target=work, args=(i, p)) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+# -- configurations ---------------------------------------------------------
+
+
+def server_args(spec: str) -> list:
+    """``oiq-server`` flags of a cache configuration name (:func:`oiq_mlx.specs.parse_spec`)."""
+    return parse_spec(spec).server_args()
+
+
+def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -> dict:
+    """KV bytes one sequence of ``tokens`` tokens holds under ``spec``: the
+    server's caches filled with random keys/values of the model's shapes
+    (``dtype``, the model's compute dtype), ``nbytes`` summed (allocated
+    capacity included); ``fp16``: float16 keys and values of the same tokens."""
+    args = model.args
+    n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    cache = parse_spec(spec).make_cache(model)
+    key = mx.random.key(seed)
+    for c in cache:
+        for start in range(0, tokens, 1024):
+            key, sub = mx.random.split(key)
+            kv = mx.random.normal((1, n_kv, min(1024, tokens - start), head_dim), key=sub).astype(dtype)
+            c.update_and_fetch(kv, kv)
+            mx.eval(c.state)
+    fp16 = len(cache) * tokens * n_kv * head_dim * 2 * 2
+    return {"tokens": tokens, "bytes": int(sum(c.nbytes for c in cache)), "fp16_bytes": fp16}
+
+
+# -- the benchmark ------------------------------------------------------------
+
+
+def _percentile(values, q):
+    return float(np.percentile(values, q)) if len(values) else None
+
+
+def _model_dtype(model):
+    return next(v.dtype for _, v in tree_flatten(model.parameters()) if mx.issubdtype(v.dtype, mx.floating))
+
+
+def prompt_texts(tokenizer, text: str, n: int, length: int) -> list[str]:
+    """``n`` different prompts of about ``length`` tokens cut from ``text``
+    (different offsets, so the server's prompt cache finds no shared prefix)."""
+    ids = tokenizer.encode(text)
+    if len(ids) < length + n * 97:
+        ids = ids * (-(-(length + n * 97) // len(ids)))
+    return [tokenizer.decode(ids[i * 97 : i * 97 + length]) for i in range(n)]
+
+
+def run_load(port: int, prompts, max_tokens: int) -> dict:
+    """All ``prompts`` at once (streaming); aggregate and per-client figures."""
+    results, wall = run_clients(port, prompts, max_tokens, stream=True)
+    ok = [r for r in results if not isinstance(r, Exception)]
+    failed = [repr(r) for r in results if isinstance(r, Exception)]
+    # a response that ends early without a stop, or is empty, counts as corrupted
+    corrupted = [i for i, r in enumerate(ok) if r.n_tokens == 0 or (r.n_tokens < max_tokens and r.finish_reason != "stop")]
+    gaps = [g for r in ok for g in r.gaps]
+    tokens = sum(r.n_tokens for r in ok)
+    return {
+        "clients": len(prompts),
+        "generated_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else None,
+        "ttft_p50_s": _percentile([r.ttft for r in ok], 50),
+        "ttft_p95_s": _percentile([r.ttft for r in ok], 95),
+        "token_latency_p50_s": _percentile(gaps, 50),
+        "token_latency_p95_s": _percentile(gaps, 95),
+        "failed": failed,
+        "corrupted": corrupted,
+    }
+
+
+def run_server_bench(*, model: str, specs, clients, lengths, max_tokens: int, kv_budget_bytes: int,
+                     log_dir, memory_lengths=(4096,), progress=None, text: str | None = None) -> dict:
+    """Every ``spec`` served by ``oiq-server`` (one process each), loaded with
+    each number of concurrent ``clients`` at each prompt length; plus KV bytes
+    per sequence at ``memory_lengths`` and the number of sequences that fit
+    ``kv_budget_bytes``."""
+    log = progress or (lambda msg: None)
+    path = resolve_model(model)
+    local_model, tokenizer = models.load(path)
+    dtype = _model_dtype(local_model)
+    text = text if text is not None else models.default_text()
+    runs, memory = [], []
+    for spec in specs:
+        for length in sorted(set(memory_lengths)):
+            kv = kv_bytes_per_sequence(local_model, spec, length, dtype)
+            kv.update(spec=spec, sequences_in_budget=kv_budget_bytes // max(1, kv["bytes"]))
+            memory.append(kv)
+        log_path = Path(log_dir) / f"server_{spec.replace(':', '_').replace('[', '_').replace(']', '')}.log"
+        with ServerProcess([*server_args(spec), "--model", path, "--max-tokens", str(max_tokens)], log_path=log_path) as srv:
+            run_load(srv.port, prompt_texts(tokenizer, text, 1, 16), 2)  # warm-up
+            for length in lengths:
+                for n in clients:
+                    t0 = time.perf_counter()
+                    rec = run_load(srv.port, prompt_texts(tokenizer, text, n, length), max_tokens)
+                    rec.update(spec=spec, prompt_tokens=length, peak_rss_bytes=srv.peak_rss_bytes())
+                    runs.append(rec)
+                    log(f"[{spec}] {n} clients x {length} tokens: {rec['tokens_per_s']:.1f} tok/s, "
+                        f"TTFT p50 {rec['ttft_p50_s']:.2f} s, token p50 {1000 * (rec['token_latency_p50_s'] or 0):.0f} ms, "
+                        f"failed {len(rec['failed'])}, corrupted {len(rec['corrupted'])} "
+                        f"({time.perf_counter() - t0:.0f} s)")
+    return {"model": model, "max_tokens": max_tokens, "kv_budget_bytes": kv_budget_bytes,
+            "runs": runs, "memory": memory}
+
+
+def markdown(result: dict) -> str:
+    fp = {(r["prompt_tokens"], r["clients"]): r["tokens_per_s"] for r in result["runs"] if r["spec"] == "fp"}
+    lines = ["| cache | clients | prompt | tok/s | vs fp | TTFT p50/p95 s | token p50/p95 ms | failed | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        ref = fp.get((r["prompt_tokens"], r["clients"]))
+        ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
+        lines.append(
+            f"| {r['spec']} | {r['clients']} | {r['prompt_tokens']} | {r['tokens_per_s']:.1f} | {ratio} | "
+            f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | {1000 * (r['token_latency_p50_s'] or 0):.0f} / "
+            f"{1000 * (r['token_latency_p95_s'] or 0):.0f} | {len(r['failed']) + len(r['corrupted'])} | "
+            f"{(r['peak_rss_bytes'] or 0) / 2**20:.0f} |")
+    budget = result["kv_budget_bytes"] / 2**20
+    lines += ["", f"| cache | tokens | KV bytes / sequence | vs fp16 | sequences in {budget:.0f} MiB |", "|---|---|---|---|---|"]
+    for m in result["memory"]:
+        lines.append(f"| {m['spec']} | {m['tokens']} | {m['bytes'] / 2**20:.2f} MiB | "
+                     f"{m['bytes'] / m['fp16_bytes']:.2f}x | {m['sequences_in_budget']} |")
+    return "\n".join(lines)
+
+
+def save_plot(result: dict, path) -> str | None:
+    """Aggregate tokens/s against concurrent clients, one line per cache and prompt length."""
+    try:
+        import matplotlib  # noqa: PLC0415 - optional dependency
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = dict.fromkeys((r["spec"], r["prompt_tokens"]) for r in result["runs"])
+    for spec, length in keys:
+        rs = [r for r in result["runs"] if (r["spec"], r["prompt_tokens"]) == (spec, length)]
+        ax.plot([r["clients"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o", label=f"{spec}, {length} tok")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("generated tokens/s (all clients)")
+    ax.set_title(f"oiq-server throughput, {result['model']}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

@@ -1,0 +1,228 @@
+"""The one registry of KV cache configurations, shared by the evaluation
+(``eval_quality.py``), the fidelity sweep (``fidelity_sweep.py``), the latency
+benchmark (``bench_latency.py``) and the server benchmark (``bench_server.py``).
+
+A configuration is named by text that :func:`parse_spec` reads:
+
+* ``fp``: mlx-lm ``KVCache`` at the model's dtype;
+* ``mlx:B`` / ``mlx:B:G``: mlx-lm's affine ``QuantizedKVCache``, B bits, group
+  G (default 64, mlx-lm's);
+* ``preset:NAME`` / ``preset:NAME[field=value,...]``: ``OIQConfig.preset(NAME)``
+  with fields replaced;
+* ``oiq[field=value,...]``: ``OIQConfig(field=value, ...)``;
+* the named entries of :func:`cache_registry` (``mlx-q4-g64``, ``oiq-4``,
+  ``oiq-plain-3``, ``absmax-4``, ...), and ``mlx-qB`` / ``oiq-Nbit``, the
+  names ``bench_latency.py`` has always printed (group 64; preset ``Nbit``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from .config import PRESETS, OIQConfig
+from .integration import make_oiq_cache
+
+FP16_BYTES = 2
+MLX_GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """One cache configuration.
+
+    ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` at the model dtype), ``"mlx"``
+    (mlx-lm ``QuantizedKVCache(group_size, bits)``, affine) or ``"oiq"``
+    (:class:`OIQKVCache` with ``oiq``).
+    """
+
+    name: str
+    kind: str
+    bits: int = 16
+    group_size: int = 0
+    oiq: OIQConfig | None = None
+    description: str = ""
+
+    def make_cache(self, model) -> list:
+        """A fresh prompt cache for ``model``, quantized from token 0 for ``mlx``
+        (as ``generate_step`` with ``quantized_kv_start=0``); layers other than
+        plain ``KVCache`` (sliding-window, SSM) stay mlx-lm's own for every kind."""
+        if self.kind == "fp":
+            return make_prompt_cache(model)
+        if self.kind == "mlx":
+            return [
+                c.to_quantized(group_size=self.group_size, bits=self.bits) if type(c) is KVCache else c
+                for c in make_prompt_cache(model)
+            ]
+        if self.kind == "oiq":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return make_oiq_cache(model, self.oiq)
+        raise ValueError(f"unknown cache kind {self.kind!r}")
+
+    def bytes_per_token(self, head_dim: int, tokens: int | None = None, layers=None) -> float:
+        """Bytes per token per KV head, keys and values together, counting
+        every float as fp16 (2 bytes).
+
+        ``tokens=None``: asymptotic (the quantized segment only).  With
+        ``tokens``: amortized over a sequence of that length, i.e. OIQ's sink
+        and window tokens at full precision and its per-layer means included.
+        ``layers``: the model's OIQ layer indices, needed (and averaged over)
+        when the config has ``layer_bits``.
+        """
+        if self.kind == "fp":
+            return 2 * head_dim * FP16_BYTES
+        if self.kind == "mlx":
+            groups = -(-head_dim // self.group_size)
+            return 2 * (head_dim * self.bits / 8 + 2 * groups * FP16_BYTES)
+        cfg = self.oiq
+        asym = cfg.bytes_per_token(head_dim, layers)
+        if tokens is None:
+            return asym
+        dim = cfg.storage_dim(head_dim)
+        if tokens <= cfg.quantize_after:
+            n_full = tokens
+        else:
+            n_full = min(tokens, cfg.sink_tokens) + min(max(tokens - cfg.sink_tokens, 0), cfg.window)
+        n_quant = tokens - n_full
+        vectors = int(cfg.center_keys) + int(cfg.center_values) + int(bool(cfg.key_scaling))
+        means = vectors * dim * FP16_BYTES
+        return (n_quant * asym + n_full * 2 * dim * FP16_BYTES + means) / tokens
+
+    def supports(self, head_dim: int) -> str | None:
+        """None when this cache can hold heads of ``head_dim``, else why not."""
+        if self.kind == "mlx" and head_dim % self.group_size:
+            return f"group {self.group_size} does not divide head_dim {head_dim}"
+        if self.kind == "oiq":
+            try:
+                self.oiq.storage_dim(head_dim)
+            except ValueError as e:
+                return str(e)
+        return None
+
+    def server_args(self) -> list[str]:
+        """The ``oiq-server`` flags that serve this configuration: ``--no-oiq``
+        (fp), ``--no-oiq --kv-bits B --kv-group-size G --quantized-kv-start 0``
+        (mlx: quantized from the first token, not mlx-lm's default 5000), or
+        every OIQ field as its flag."""
+        if self.kind == "fp":
+            return ["--no-oiq"]
+        if self.kind == "mlx":
+            return ["--no-oiq", "--kv-bits", str(self.bits), "--kv-group-size", str(self.group_size),
+                    "--quantized-kv-start", "0"]
+        cfg, default = self.oiq, OIQConfig()
+        for name in ("trim_reserve", "rotation"):
+            if getattr(cfg, name) != getattr(default, name):
+                raise ValueError(f"cache {self.name!r}: oiq-server has no flag for {name}")
+        args = ["--k-bits", str(cfg.k_bits), "--v-bits", str(cfg.v_bits), "--group-size", str(cfg.group_size),
+                "--rotation-seed", str(cfg.seed), "--sink-tokens", str(cfg.sink_tokens), "--window", str(cfg.window),
+                "--quantize-after", str(cfg.quantize_after), "--key-scaling", str(cfg.key_scaling)]
+        for name in ("clip", "center_keys", "center_values"):
+            flag = name.replace("_", "-")
+            args.append(f"--{flag}" if getattr(cfg, name) else f"--no-{flag}")
+        if cfg.layer_bits:
+            args += ["--layer-bits", ",".join(f"{i}:{k}:{v}" for i, k, v in cfg.layer_bits)]
+        return args
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "oiq": None if self.oiq is None else dataclasses.asdict(self.oiq),
+            "description": self.description,
+        }
+
+
+def _plain(bits: int, **kw) -> OIQConfig:
+    return OIQConfig(k_bits=bits, v_bits=bits, sink_tokens=0, window=0, center_keys=False, key_scaling=0.0, **kw)
+
+
+def _mlx(bits: int, group: int, name: str | None = None) -> CacheSpec:
+    return CacheSpec(name or f"mlx-q{bits}-g{group}", "mlx", bits, group,
+                     description=f"mlx-lm QuantizedKVCache affine {bits}-bit group {group}")
+
+
+def cache_registry() -> dict[str, CacheSpec]:
+    """Every named cache, in report order."""
+    specs = [CacheSpec("fp", "fp", description="mlx-lm KVCache at the model dtype (reference)")]
+    for g in (64, 32):
+        for b in (8, 4):
+            specs.append(_mlx(b, g))
+    specs.append(CacheSpec("absmax-4", "oiq", 4, 32, _plain(4, rotation="none"), "abs-max 4-bit g32, no rotation, no sinks/window/centering"))
+    specs.append(CacheSpec("oiq-nosigns-4", "oiq", 4, 32, _plain(4, rotation="hadamard_nosigns"), "Hadamard without random signs, 4-bit g32, plain"))
+    for b in (4, 3, 2):
+        specs.append(CacheSpec(f"oiq-plain-{b}", "oiq", b, 32, _plain(b), f"OIQ {b}-bit g32, no sinks/window/centering"))
+    for b in (4, 3, 2):
+        specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, OIQConfig.preset(f"{b}bit"),
+                               f"OIQ preset '{b}bit' (sinks 4, window 64, key mean + scaling{', clip' if b < 4 else ''})"))
+    specs.append(CacheSpec("oiq-8", "oiq", 8, 32, OIQConfig(k_bits=8, v_bits=8), "OIQ 8-bit g32, defaults"))
+    return {s.name: s for s in specs}
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _fields(text: str, inner: str) -> dict:
+    fields = {f.name for f in dataclasses.fields(OIQConfig)}
+    kw = {}
+    for item in filter(None, inner.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"cache {text!r}: {item!r} is not field=value")
+        if key not in fields:
+            raise ValueError(f"cache {text!r}: {key!r} is not an OIQConfig field ({', '.join(sorted(fields))})")
+        kw[key] = _value(value)
+    return kw
+
+
+def parse_spec(text: str) -> CacheSpec:
+    """The configuration a name stands for (module docstring); ``ValueError``
+    naming the problem for anything else."""
+    name = text.replace(" ", "")
+    reg = cache_registry()
+    if name in reg:
+        return reg[name]
+    m = re.fullmatch(r"mlx:(\d+)(?::(\d+))?", name)
+    if m:
+        return _mlx(int(m.group(1)), int(m.group(2) or MLX_GROUP_SIZE))
+    m = re.fullmatch(r"mlx-q(\d+)", name)
+    if m:
+        return _mlx(int(m.group(1)), MLX_GROUP_SIZE, name)
+    m = re.fullmatch(r"oiq-(\d)bit", name)
+    if m:
+        b = int(m.group(1))
+        cfg = OIQConfig.preset(f"{b}bit") if f"{b}bit" in PRESETS else OIQConfig(k_bits=b, v_bits=b)
+        return CacheSpec(name, "oiq", b, cfg.group_size, cfg, f"OIQ {b}-bit ({'preset' if f'{b}bit' in PRESETS else 'defaults'})")
+    m = re.fullmatch(r"preset:([^\[\]]+)(?:\[(.*)\])?", name)
+    if m:
+        kw = _fields(text, m.group(2) or "")
+        cfg = OIQConfig.preset(m.group(1), **kw)
+        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, f"OIQConfig.preset({m.group(1)!r}) {kw or ''}".strip())
+    m = re.fullmatch(r"oiq\[(.*)\]", name)
+    if m:
+        kw = _fields(text, m.group(1))
+        cfg = OIQConfig(**kw)
+        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, f"custom OIQ {kw}")
+    raise ValueError(
+        f"unknown cache {text!r}; use fp, mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...] "
+        f"or one of {', '.join(reg)}"
+    )
+
+
+def split_spec_list(text: str) -> list[str]:
+    """Split a comma-separated list of names, keeping commas inside ``[...]``."""
+    return [x.strip() for x in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if x.strip()]

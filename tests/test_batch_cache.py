@@ -1,0 +1,234 @@
+"""BatchOIQKVCache against the same sequences run alone (mlx-lm 0.32 batch contract)."""
+
+import copy
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import tiny_gemma3, tiny_llama
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import LRUPromptCache
+
+from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
+from oiq_mlx.attention import oiq_attention, oiq_batch_attention
+from oiq_mlx.batch_cache import BatchOIQKVCache
+
+# window 8 + 2 sinks: prompts of 5, 23 and 40 tokens put the packed-segment
+# boundary at different places in one batch (5 crosses it only while decoding)
+CFG = OIQConfig(window=8, sink_tokens=2, trim_reserve=4)
+PROMPT_LENGTHS = (5, 23, 40)
+H, D = 2, 64
+
+
+def _prompts(lengths=PROMPT_LENGTHS):
+    return [[(7 * i + 3 * j) % 120 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+def _alone(model, prompt, n):
+    """Greedy tokens of one sequence with its own OIQ cache, chunked as BatchGenerator
+    chunks it (the prompt but its last token, then one token per step)."""
+    cache = make_oiq_cache(model, CFG)
+    model(mx.array([prompt[:-1]]), cache=cache)
+    tok, out = prompt[-1], []
+    for _ in range(n):
+        tok = int(mx.argmax(model(mx.array([[tok]]), cache=cache)[0, -1]))
+        out.append(tok)
+    model(mx.array([[tok]]), cache=cache)  # BatchGenerator has fed the last token too
+    return out, cache
+
+
+def _batched(model, prompts, n):
+    gen = BatchGenerator(model, max_tokens=n)
+    uids = gen.insert(prompts, caches=[make_oiq_cache(model, CFG) for _ in prompts])
+    tokens, caches = {u: [] for u in uids}, {}
+    while len(caches) < len(uids):
+        for r in gen.next_generated():
+            tokens[r.uid].append(r.token)
+            if r.finish_reason is not None:
+                caches[r.uid] = r.prompt_cache
+    return [tokens[u] for u in uids], [caches[u] for u in uids]
+
+
+def _oiq_layers(cache):
+    return [c for c in cache if isinstance(c, OIQKVCache)]
+
+
+@pytest.mark.filterwarnings("ignore:oiq_mlx")
+@pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_batch_generator_matches_sequences_alone(make_model):
+    model = make_model()
+    prompts = _prompts()
+    tokens, caches = _batched(model, prompts, 12)
+    for prompt, got, cache in zip(prompts, tokens, caches):
+        want, alone = _alone(model, prompt, 12)
+        assert got == want
+        for b, a in zip(_oiq_layers(cache), _oiq_layers(alone)):
+            assert (b.offset, b.q_end) == (a.offset, a.q_end)
+            # the same rows through the same code; batched matmuls round differently (~1e-6)
+            np.testing.assert_allclose(np.array(b.k.mean), np.array(a.k.mean), atol=1e-5)
+            for x, y in zip(b.dequantized_kv(), a.dequantized_kv()):
+                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
+
+
+def _kv(seed, n, scale=1.0):
+    k = mx.random.normal((1, H, n, D), key=mx.random.key(seed)) * scale
+    v = mx.random.normal((1, H, n, D), key=mx.random.key(seed + 1000)) * scale
+    return k, v
+
+
+def _padded(rows, L, pad_value=1e4):
+    """Right-pad (1, H, n, D) arrays to L rows with a value that would wreck any
+    statistic, sink or scale it reached."""
+    return mx.concatenate(
+        [mx.concatenate([r, mx.full((1, H, L - r.shape[2], D), pad_value)], axis=2) for r in rows], axis=0
+    )
+
+
+def _assert_same_storage(a: OIQKVCache, b: OIQKVCache):
+    assert (a.offset, a.q_end) == (b.offset, b.q_end)
+    for sa, sb in ((a.k, b.k), (a.v, b.v)):
+        for name in ("sink", "codes", "scales", "mean", "lam"):
+            x, y = getattr(sa, name), getattr(sb, name)
+            assert (x is None) == (y is None), name
+            if x is not None:
+                n = a.q_end - a.config.sink_tokens if name in ("codes", "scales") else x.shape[2]
+                assert mx.array_equal(x[:, :, :n], y[:, :, :n]), name
+    for x, y in zip(a.segments(), b.segments()):
+        if isinstance(x, tuple):
+            assert all(mx.array_equal(p, q) for p, q in zip(x, y))
+        else:
+            assert (x is None and y is None) or mx.array_equal(x, y)
+
+
+def test_contract_against_alone_padding_never_stored():
+    """merge, prepare(lengths=, right_padding=) over two chunks, finalize,
+    filter, extend, a decode step and extract: every sequence's storage equals
+    the same rows written to a cache of its own."""
+    history = [3, 0, 11]        # tokens each cache holds before it joins the batch
+    new = [6, 13, 2]            # the next prompt rows, right-padded to 13
+    alone = [OIQKVCache(CFG) for _ in history]
+    joined = [OIQKVCache(CFG) for _ in history]
+    for i, n in enumerate(history):
+        if n:
+            for c in (alone[i], joined[i]):
+                c.update_and_fetch(*_kv(i, n))
+    batch = OIQKVCache.merge(joined)
+    assert isinstance(batch, BatchOIQKVCache)
+    assert batch.offset.tolist() == history
+    rows = [_kv(10 + i, n) for i, n in enumerate(new)]
+    for c, (k, v) in zip(alone, rows):
+        # the same chunks as the batch's two prefill steps (statistics come from the first)
+        c.update_and_fetch(k[:, :, :5], v[:, :, :5])
+        if k.shape[2] > 5:
+            c.update_and_fetch(k[:, :, 5:], v[:, :, 5:])
+    L = max(new)
+    batch.prepare(lengths=new, right_padding=[L - n for n in new])
+    keys, values = _padded([k for k, _ in rows], L), _padded([v for _, v in rows], L)
+    batch.update_and_fetch(keys[:, :, :5], values[:, :, :5])   # prefill in two chunks
+    batch.update_and_fetch(keys[:, :, 5:], values[:, :, 5:])
+    batch.finalize()
+    assert batch.offset.tolist() == [h + n for h, n in zip(history, new)]
+    for a, b in zip(alone, batch.caches):
+        _assert_same_storage(a, b)
+
+    batch.filter([2, 0])
+    extra = OIQKVCache(CFG)
+    extra.update_and_fetch(*_kv(99, 20))
+    extra_alone = copy.deepcopy(extra)
+    batch.extend(OIQKVCache.merge([extra]))
+    order = [alone[2], alone[0], extra_alone]
+    step = [_kv(50 + i, 1) for i in range(3)]
+    batch.update_and_fetch(mx.concatenate([k for k, _ in step]), mx.concatenate([v for _, v in step]))
+    for c, (k, v) in zip(order, step):
+        c.update_and_fetch(k, v)
+    extracted = [batch.extract(i) for i in range(3)]
+    for a, b in zip(order, extracted):
+        _assert_same_storage(a, b)
+    # an extracted cache is the sequence's own: later batch writes do not reach it
+    before = [mx.array(e.segments()[3]) for e in extracted]
+    batch.update_and_fetch(*(mx.ones((3, H, 1, D)),) * 2)
+    for e, b, a in zip(extracted, before, order):
+        assert e.offset == a.offset
+        assert mx.array_equal(e.segments()[3], b)
+    # neither do writes to the caches that were merged
+    assert extra.offset == 20
+
+
+def test_batch_attention_equals_each_sequence_alone():
+    history, new = [0, 9, 30], [4, 1, 7]
+    L = max(new)
+    alone = [OIQKVCache(CFG) for _ in history]
+    for i, n in enumerate(history):
+        if n:
+            alone[i].update_and_fetch(*_kv(i, n))
+    batch = OIQKVCache.merge(alone)
+    batch.prepare(lengths=new, right_padding=[L - n for n in new])
+    mask = batch.make_mask(L)
+    assert mask.shape == (3, 1, L, max(h + n for h, n in zip(history, new)))
+    rows = [_kv(20 + i, n) for i, n in enumerate(new)]
+    batch.update_and_fetch(_padded([k for k, _ in rows], L), _padded([v for _, v in rows], L))
+    batch.finalize()
+    q = mx.random.normal((3, 2 * H, L, D), key=mx.random.key(7))
+    out = oiq_batch_attention(q, batch, scale=D**-0.5, mask=mask)
+    for i, ((k, v), n) in enumerate(zip(rows, new)):
+        alone[i].update_and_fetch(k, v)
+        want = oiq_attention(q[i : i + 1, :, :n], alone[i], scale=D**-0.5, mask="causal")
+        np.testing.assert_allclose(np.array(out[i : i + 1, :, :n]), np.array(want), atol=1e-5)
+
+    # one decode step: no mask, every sequence sees all of its own keys
+    assert batch.make_mask(1) is None
+    step = [_kv(40 + i, 1) for i in range(3)]
+    batch.update_and_fetch(mx.concatenate([k for k, _ in step]), mx.concatenate([v for _, v in step]))
+    q1 = mx.random.normal((3, 2 * H, 1, D), key=mx.random.key(8))
+    out = oiq_batch_attention(q1, batch, scale=D**-0.5)
+    for i, (k, v) in enumerate(step):
+        alone[i].update_and_fetch(k, v)
+        want = oiq_attention(q1[i : i + 1], alone[i], scale=D**-0.5)
+        np.testing.assert_allclose(np.array(out[i : i + 1]), np.array(want), atol=1e-5)
+
+
+def test_merge_and_prepare_reject_what_they_cannot_serve():
+    a, b = OIQKVCache(CFG), OIQKVCache(OIQConfig(window=16))
+    with pytest.raises(ValueError, match="one config"):
+        OIQKVCache.merge([a, b])
+    with pytest.raises(ValueError, match="left padding"):
+        OIQKVCache.merge([a]).prepare(left_padding=[2])
+    with pytest.raises(ValueError, match="must be equal"):
+        OIQKVCache.merge([a, OIQKVCache(CFG)]).prepare(lengths=[2, 3], right_padding=[1, 1])
+
+
+def _held_arrays(obj, seen=None):
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [a for x in obj for a in _held_arrays(x, seen)]
+    if hasattr(obj, "__dict__") and not isinstance(obj, OIQConfig):
+        return [a for x in vars(obj).values() for a in _held_arrays(x, seen)]
+    return []
+
+
+def test_prompt_cache_copies_and_counts_oiq_caches():
+    """mlx-lm's LRUPromptCache deep-copies what it hands out and counts ``nbytes``:
+    the copy is independent and no float copy of the packed segment is kept."""
+    cache = [OIQKVCache(CFG) for _ in range(2)]
+    for c in cache:
+        c.update_and_fetch(*_kv(3, 40))
+        c.release_fresh()
+    lru = LRUPromptCache(max_size=4)
+    tokens = list(range(40))
+    lru.insert_cache("m", tokens, cache)
+    assert lru.nbytes == sum(c.nbytes for c in cache)
+    # nbytes is every array the cache holds: no float copy of the packed tokens on the side
+    for c in cache:
+        assert c._fresh is None
+        assert c.nbytes == sum(a.nbytes for a in _held_arrays(c))
+    got, rest = lru.fetch_nearest_cache("m", tokens + [7, 8])
+    assert rest == [7, 8]
+    for a, b in zip(cache, got):
+        _assert_same_storage(a, b)
+        b.update_and_fetch(*_kv(5, 3))
+        assert a.offset == 40
