@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         result = {"environment": env, "command": sys.argv, "ranks": group.size(),
                   "settings": {"model": args.model, "shape": args.shape if args.model == "random" else None,
                                "contexts": contexts, "decode_steps": steps, "warmup": args.warmup,
-                               "specs": [s.describe() for s in specs]},
+                               "specs": [bench.describe(s) for s in specs]},
                   "runs": records}
         print(f"## {args.model} over {group.size()} ranks, backend {env['backend']}\n")
         print(distributed.sharded_table(records) + "\n", flush=True)

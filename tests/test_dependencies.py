@@ -85,7 +85,7 @@ def test_chat_templates_render_through_jinja2():
 
 def test_console_scripts_resolve():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert set(scripts) == {"oiq-generate", "oiq-cache-prompt"}
+    assert set(scripts) == {"oiq-generate", "oiq-cache-prompt", "oiq-server"}
     for target in scripts.values():
         module, _, function = target.partition(":")
         assert callable(getattr(importlib.import_module(module), function)), target
