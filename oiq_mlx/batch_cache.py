@@ -186,5 +186,17 @@ class BatchOIQKVCache(_BaseCache):
         return [c.state for c in self.caches]
 
     @property
+    def keys(self):
+        """The first sequence's :attr:`OIQKVCache.keys`: mlx-lm's pipeline models
+        chain their send to the last local cache through it, and evaluating
+        :attr:`state` (what the batch generator does after each prefill chunk)
+        evaluates that sequence's state, hence the send."""
+        return self.caches[0].keys
+
+    @keys.setter
+    def keys(self, value):
+        self.caches[0].keys = value
+
+    @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.caches)

@@ -14,6 +14,11 @@ mlx-lm 0.32.2:
 * ``mlx_lm.server.load``, the name ``ModelProvider`` loads with, becomes
   :func:`load_model`, which also takes ``demo``, ``gemma3`` and ``.gguf`` files
   and installs that ``make_cache``;
+* under ``mlx.launch`` with more than one rank, ``mlx_lm.server.sharded_load``
+  becomes :func:`sharded_load_model`: the model is loaded whole (by
+  :func:`load_model`), sharded by :func:`oiq_mlx.distributed.shard_model`
+  (``--pipeline`` as in mlx-lm, else tensor parallel), and its caches hold
+  this rank's heads or layers with the unsharded layer numbers;
 * ``mlx_lm.server.run`` becomes :func:`run`: it serves with
   :class:`OIQModelProvider` and :class:`OIQResponseGenerator`, which reject
   an unknown model name and a prompt past the model's context with a message
@@ -37,26 +42,30 @@ import sys
 import warnings
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm.server as _server
 import mlx_lm.utils
 from mlx_lm.models.cache import KVCache
 
-from . import models
-from .models import resolve_model
+from . import distributed, models
 from .cli import add_oiq_options, config_from_args
 from .config import OIQConfig
 from .integration import make_oiq_cache
+from .models import resolve_model
 
 _MLX_LOAD = mlx_lm.utils.load
 
 
-def use_oiq_caches(model, config: OIQConfig):
+def use_oiq_caches(model, config: OIQConfig, layout: distributed.ShardLayout | None = None):
     """Make ``model.make_cache()`` (hence mlx-lm's ``make_prompt_cache``) return OIQ caches.
 
-    The model's own cache kinds are kept (see :func:`make_oiq_cache`).
-    Raises ``ValueError`` when ``config`` does not fit the model.
+    The model's own cache kinds are kept (see :func:`make_oiq_cache`); with
+    ``layout`` (a sharded model) the caches are this rank's
+    (:func:`oiq_mlx.distributed.make_cache`).  Raises ``ValueError`` when
+    ``config`` does not fit the model.
     """
     own = getattr(model, "make_cache", None)
+    build = make_oiq_cache if layout is None else functools.partial(distributed.make_cache, layout=layout)
 
     def base():
         return own() if own is not None else [KVCache() for _ in model.layers]
@@ -65,9 +74,9 @@ def use_oiq_caches(model, config: OIQConfig):
         # which layers stay full precision is said once, below; not per request
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return make_oiq_cache(model, config, base=base())
+            return build(model, config, base=base())
 
-    make_oiq_cache(model, config, base=base())
+    build(model, config, base=base())
     make_cache.oiq_config = config
     model.make_cache = make_cache
     return model
@@ -91,6 +100,30 @@ def load_model(path_or_repo, adapter_path=None, tokenizer_config=None, return_co
         )
     if config is not None:
         use_oiq_caches(model, config)
+    return (model, tokenizer, model_config) if return_config else (model, tokenizer)
+
+
+def sharded_load_model(path_or_repo, pipeline_group=None, tensor_group=None, return_config=False, *,
+                       tokenizer_config=None, trust_remote_code=False, config: OIQConfig | None,
+                       dequantize: bool | None):
+    """``mlx_lm.utils.sharded_load`` (as mlx-lm 0.32.2's server calls it) for the
+    server under ``mlx.launch``: the model is loaded whole on every rank, then
+    sharded in place over the group, pipeline when mlx-lm's ``--pipeline`` gave a
+    pipeline group, else tensor parallel; a model that cannot be sharded so is
+    refused with its name (:func:`oiq_mlx.distributed.shard_model`)."""
+    model, tokenizer, model_config = load_model(
+        path_or_repo, tokenizer_config=tokenizer_config, return_config=True, config=None, dequantize=dequantize,
+        trust_remote_code=trust_remote_code,
+    )
+    group = pipeline_group if pipeline_group is not None else tensor_group
+    sharding = "pipeline" if pipeline_group is not None else "tensor"
+    layout = distributed.shard_model(model, sharding, group, name=str(path_or_repo))
+    # the sharded weights are lazy slices made on this thread's stream: evaluate them
+    # here, as mlx-lm's sharded_load does, before the generation thread uses them
+    mx.eval(model.parameters())
+    logging.info("oiq_mlx: %s", layout.describe())
+    if config is not None:
+        use_oiq_caches(model, config, layout)
     return (model, tokenizer, model_config) if return_config else (model, tokenizer)
 
 
@@ -136,7 +169,12 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
     prompt_cache = _server.LRUPromptCache(provider.cli_args.prompt_cache_size)
     generator = OIQResponseGenerator(provider, prompt_cache)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    _server._run_http_server(host, port, generator)
+    if mx.distributed.init().rank() == 0:
+        _server._run_http_server(host, port, generator)
+    else:
+        # as mlx_lm.server.run: the other ranks receive rank 0's requests
+        # through the generation loop and serve no HTTP themselves
+        generator.join()
     # the HTTP server is shut down and the generation thread joined; leaving
     # through interpreter teardown aborts in MLX's C++ threads ("terminate
     # called without an active exception", exit -6), so leave directly
@@ -179,6 +217,7 @@ def main(argv=None) -> int:
         rest = ["--model", "demo", *rest]
     dequantize = {"auto": None, "yes": True, "no": False}[args.dequantize_weights]
     _server.load = functools.partial(load_model, config=config, dequantize=dequantize)
+    _server.sharded_load = functools.partial(sharded_load_model, config=config, dequantize=dequantize)
     _server.run = run
     saved = sys.argv
     sys.argv = ["oiq-server", *rest]

@@ -45,19 +45,24 @@ class ServerProcess:
     Entering waits until ``/health`` answers (the model is loaded before the
     server listens); leaving sends SIGTERM, waits ``stop_timeout`` seconds and
     kills it if it is still alive.  ``stderr`` of the server goes to ``log_path``.
+    ``launcher``: a command the server runs under, e.g. ``mlx.launch -n 2 ...``
+    (the launcher and its ranks form one process group, signalled together).
     """
 
-    def __init__(self, args, *, log_path, start_timeout: float = 180.0, env=None):
+    def __init__(self, args, *, log_path, start_timeout: float = 180.0, env=None, launcher=()):
         self.args, self.log_path, self.start_timeout = list(args), Path(log_path), start_timeout
+        self.launcher = list(launcher)
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         self.port = free_port()
         self.proc = None
         self.exit_seconds = None
 
     def __enter__(self):
-        cmd = [sys.executable, "-m", "oiq_mlx.server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [*self.launcher, sys.executable, "-m", "oiq_mlx.server", "--host", "127.0.0.1", "--port",
+               str(self.port), *self.args]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=bool(self.launcher))
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -83,14 +88,23 @@ class ServerProcess:
             return
         if self.proc.poll() is None:
             t0 = time.monotonic()
-            self.proc.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait()
             self.exit_seconds = time.monotonic() - t0
         self._log.close()
+
+    def _signal(self, sig):
+        if self.launcher:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        else:
+            self.proc.send_signal(sig)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from helpers import tiny_gemma3, tiny_llama
 from oiq_mlx import OIQConfig, OIQKVCache, distributed
 from oiq_mlx.integration import make_oiq_cache
+from oiq_mlx.server_bench import ServerProcess, complete
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -399,3 +400,30 @@ def test_bench_sharded_reports_each_sharding_beside_one_process(tmp_path):
         assert tensor == [(one + signs) // 2] * 2, (cache, tensor, one)
     assert out.count("| context | cache | ms/token 1 process | ms/token tensor x2 | ms/token pipeline x2 |") == 1, out
     assert sum(line.startswith("| 96 | ") for line in out.splitlines()) == 2
+
+
+# -- oiq-server under mlx.launch ---------------------------------------------------------
+
+
+SERVER_ARGS = ["--preset", "4bit", "--window", "16", "--sink-tokens", "2"]
+
+
+@loopback
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", ["tensor", "pipeline"])
+def test_oiq_server_on_two_ranks_answers_as_one_process(qwen2_folder, tmp_path, sharding):
+    """An HTTP completion from oiq-server sharded over 2 ranks equals the one-process server's."""
+    prompt, n = TEXT[:300], 12
+    args = ["--model", str(qwen2_folder), *SERVER_ARGS]
+    with ServerProcess(args, log_path=tmp_path / "one.log", start_timeout=LAUNCH_TIMEOUT_S) as one:
+        expected = complete(one.port, prompt, n)
+    assert len(set(expected.text)) > 3, expected.text  # the random model does not repeat one token
+    launcher = ["mlx.launch", "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports()), "--"]
+    extra = ["--pipeline"] if sharding == "pipeline" else []
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    with ServerProcess([*args, *extra], log_path=tmp_path / "two.log", start_timeout=LAUNCH_TIMEOUT_S, env=env,
+                       launcher=launcher) as two:
+        got = complete(two.port, prompt, n)
+        log = two.log()
+    assert got.text == expected.text, log
+    assert f"{sharding} parallel" in log and "rank 1 of 2" in log, log
