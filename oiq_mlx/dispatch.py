@@ -15,6 +15,7 @@ Walsh-Hadamard transform) always take the reference path, as does
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
@@ -73,6 +74,36 @@ def quantize(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool 
     return codec.quantize(rotation.rotate(x, signs) if signs is not None else x, bits, group_size, clip=clip)
 
 
+@functools.lru_cache(maxsize=None)
+def _compiled_quantize(bits: int, group_size: int, clip: bool):
+    return mx.compile(functools.partial(codec.quantize, bits=bits, group_size=group_size, clip=clip))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _to_packed_domain(x, lam, signs):
+    return x.astype(mx.float32) / lam * signs
+
+
+def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array, signs: mx.array,
+                  rotate: bool = True, clip: bool = False):
+    """Codes and scales of window rows entering the packed segment of a cache.
+
+    Equals ``codec.quantize(rotation.rotate(x.astype(float32) / lam, signs), bits, group_size,
+    clip=clip)`` (``codec.quantize(x / lam * signs, ...)`` with ``rotate`` False), codes and
+    scales bit-exact.
+
+    Args:
+        x: ``(..., d)`` rows as the window holds them (centered, model dtype).
+        lam: key scales, float32, broadcastable to ``x`` (1 for values).
+        signs: the rotation signs, float32, broadcastable to ``x``.
+    """
+    y = _to_packed_domain(x, lam, signs)
+    if rotate:
+        y = rotation.hadamard(y)
+    out = quantize_kernel(y, bits, group_size, clip=clip)
+    return out if out is not None else _compiled_quantize(bits, group_size, clip)(y)
+
+
 # -- dequantize -----------------------------------------------------------------
 
 
@@ -124,20 +155,22 @@ def _mask_ok(mask, shape) -> bool:
     return mask.ndim <= 4
 
 
-def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate: bool = False, segments=None):
+def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate: bool = False, segments=None,
+                            q_raw: mx.array | None = None):
     """Fused decode attention over ``cache`` when a kernel serves this call, else None
     (the caller runs the reference path).
 
     Args:
         cache: an OIQKVCache holding at least one token.
-        q_rotated: ``(B, n_q, L, k_dim)`` float32 queries, rotated with the key signs and
-            multiplied by the softmax scale; L <= 8.
+        q_rotated: ``(B, n_q, L, k_dim)`` float32 queries times the softmax scale and the
+            key scales, rotated with the key signs; L <= 8.
         mask, sinks: as for ``attention.oiq_attention``.
         segments: what to attend to (default ``cache.attention_segments()``).
-        unrotate: False: return the rotated (centered) output, what
-            ``attention._decode_reference`` returns.  True: return the final output, value
-            mean added and un-rotated (``v.unrotate(ref + mean)``), still
-            ``v.dim`` wide (slice to ``v.head_dim``).
+        unrotate: False: return the output in the packed (rotated, centered) domain.  True:
+            return the final output, value mean added and un-rotated, still ``v.dim`` wide
+            (slice to ``v.head_dim``).
+        q_raw: the queries times the softmax scale, un-rotated (needed with ``sinks`` and
+            centered keys).
 
     Returns:
         ``(B, n_q, L, v.dim)`` float32, or None.
@@ -158,15 +191,21 @@ def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate
         return None
     if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
         return None
+    if sinks is not None and k.mean is not None and q_raw is None:
+        return None
     from .kernels.decode_attention import decode_attention
 
     if sinks is not None and k.mean is not None:
         # centered keys shift every score by -q.mean; the sink logit must follow
-        qg = q_rotated.reshape(B, n_kv, n_q // n_kv, L, dq)
+        qg = q_raw.reshape(B, n_kv, n_q // n_kv, L, dq)
         shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
         sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
+    # the kernel reads every segment in the packed domain: the full-precision rows
+    # (held un-rotated) are brought there for the call
+    segments = cache.packed_domain_segments(segments)
     return decode_attention(
-        q_rotated, segments=cache.attention_segments() if segments is None else segments, k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
+        q_rotated, segments=segments, k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
         mask=mask, sinks=sinks,
-        v_mean=v.mean if unrotate else None, v_signs=v.signs if unrotate and v.rotated else None,
+        v_mean=None if not unrotate or v.mean is None else v.rotate(v.mean),
+        v_signs=v.signs if unrotate and v.rotated else None,
     )

@@ -194,9 +194,17 @@ def _full_mask(mask, B, n_q, L, T):
     return np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
 
 
+def _reference(q, cache, mask, sinks, segments):
+    """The reference decode path over one-domain ``segments`` (the packed domain, as the
+    kernel reads them): q scores every segment, the shares add up."""
+    out = sum(p for p in attention._decode_reference(q, q, cache, mask, sinks, segments) if p is not None)
+    return out.reshape(*q.shape[:3], -1)
+
+
 def truth_attention(q, cache, mask, sinks, segments=None):
-    """float64 attention over exactly the stored (dequantized) rotated values."""
-    sink_k, sink_v, quant, recent_k, recent_v = cache.segments() if segments is None else segments
+    """float64 attention over exactly the stored (dequantized) values, in the packed domain."""
+    segments = cache.packed_domain_segments(cache.segments()) if segments is None else segments
+    sink_k, sink_v, quant, recent_k, recent_v = segments
     gs = cache.config.group_size
     ks, vs = [], []
     if sink_k is not None:
@@ -225,10 +233,10 @@ def truth_attention(q, cache, mask, sinks, segments=None):
 
 def _check_attention(cache, q, mask=None, sinks=None, keys_per_part=None, segments=None):
     cfg = cache.config
-    segments = cache.segments() if segments is None else segments
+    segments = cache.packed_domain_segments(cache.segments()) if segments is None else segments
     out = decode_attention(q, segments=segments, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
                            group_size=cfg.group_size, mask=mask, sinks=sinks, keys_per_part_=keys_per_part)
-    ref = attention._decode_reference(q, cache, mask, sinks, segments)
+    ref = _reference(q, cache, mask, sinks, segments)
     truth = truth_attention(q, cache, mask, sinks, segments)
     assert out.shape == ref.shape and out.dtype == mx.float32
     err = np.abs(np.array(out) - truth).max()
@@ -295,17 +303,49 @@ def test_decode_attention_sinks(metal_emulator):
     _check_attention(cache, _rotated_queries(cache, 1, 6, 1, 128), sinks=sinks)
 
 
-def test_dispatch_sinks_with_centered_keys(kernels_on):
+def _truth_full(queries, cache, scale, mask, sinks=None):
+    """float64 attention of the un-rotated queries over the keys and values the cache
+    holds (``dequantized_kv``: un-rotated, means added back)."""
+    K, V = (np.array(x).astype(np.float64) for x in cache.dequantized_kv())
+    B, n_q, L, _ = queries.shape
+    rep = n_q // K.shape[1]
+    K, V = np.repeat(K, rep, axis=1), np.repeat(V, rep, axis=1)
+    s = np.einsum("bhld,bhtd->bhlt", np.array(queries.astype(mx.float32)).astype(np.float64), K) * scale
+    s = s + _full_mask(mask, B, n_q, L, K.shape[2])
+    if sinks is not None:
+        s = np.concatenate([np.broadcast_to(np.array(sinks)[None, :, None, None], (B, n_q, L, 1)), s], axis=-1)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return np.einsum("bhlt,bhtd->bhld", p[..., 1:] if sinks is not None else p, V)
+
+
+@pytest.mark.parametrize("preset", ["4bit", "2bit"])
+def test_kernel_path_against_float64_truth(kernels_on, monkeypatch, preset):
+    """oiq_attention through the kernels and through the reference path, both against float64
+    attention over what the cache holds (centered keys, key scales, value mean: 2bit)."""
+    cache = _filled_cache(OIQConfig.preset(preset), n_kv=2, d=128, T=150, L=2, dtype=mx.float32)
+    queries = mx.random.normal((1, 6, 2, 128), key=mx.random.key(5))
+    truth = _truth_full(queries, cache, 128 ** -0.5, "causal")
+    out = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal")
+    monkeypatch.setattr(dispatch, "kernels_enabled", lambda: False)
+    ref = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal")
+    ref_err = np.abs(np.array(ref) - truth).max()
+    assert ref_err < 1e-5
+    assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
+
+
+def test_dispatch_sinks_with_centered_keys(kernels_on, monkeypatch):
     # Centered keys shift every score by -q.mean: the sink logit must be shifted too.
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_keys=True)
-    cache = _filled_cache(cfg, n_kv=2, d=128, T=150, L=2, dtype=mx.float16)
-    q = _rotated_queries(cache, 1, 6, 2, 128)
+    cache = _filled_cache(cfg, n_kv=2, d=128, T=150, L=2, dtype=mx.float32)
+    queries = mx.random.normal((1, 6, 2, 128), key=mx.random.key(5))
     sinks = mx.array([0.5, 3.0, -1.0, 8.0, 0.0, 2.0])
-    out = dispatch.decode_attention_kernel(cache, q, "causal", sinks)
-    shifted = sinks.reshape(1, 6, 1) - mx.sum(
-        q.reshape(1, 2, 3, 2, 128) * mx.expand_dims(cache.k.mean, 2), axis=-1).reshape(1, 6, 2)
-    truth = truth_attention(q, cache, "causal", shifted)
-    ref = attention._decode_reference(q, cache, "causal", sinks)
+    truth = _truth_full(queries, cache, 128 ** -0.5, "causal", sinks)
+    kernels_on.clear()
+    out = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal", sinks=sinks)
+    assert len(kernels_on) == 2
+    monkeypatch.setattr(dispatch, "kernels_enabled", lambda: False)
+    ref = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal", sinks=sinks)
     ref_err = np.abs(np.array(ref) - truth).max()
     assert ref_err < 1e-5  # the reference shifts the sink logit the same way
     assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
@@ -316,9 +356,10 @@ def test_decode_attention_nan_group_shows(metal_emulator):
     cache = _filled_cache(cfg, n_kv=1, d=128, T=100, dtype=mx.float32)
     cache.k.scales[0, 0, 10, 1] = mx.nan
     q = _rotated_queries(cache, 1, 1, 1, 128)
-    out = decode_attention(q, segments=cache.segments(), k_bits=4, v_bits=4, group_size=32)
+    segments = cache.packed_domain_segments(cache.segments())
+    out = decode_attention(q, segments=segments, k_bits=4, v_bits=4, group_size=32)
     assert np.isnan(np.array(out)).all()
-    assert np.isnan(np.array(attention._decode_reference(q, cache, None, None))).all()
+    assert np.isnan(np.array(_reference(q, cache, None, None, segments))).all()
 
 
 # ---------------------------------------------------------------- dispatch
@@ -403,8 +444,8 @@ def test_dispatch_fused_unrotation_with_value_mean(kernels_on, rotation_kind):
     cache = _filled_cache(cfg, n_kv=2, d=64, T=120, dtype=mx.float32)
     q = _rotated_queries(cache, 1, 4, 1, 64)
     out = dispatch.decode_attention_kernel(cache, q, None, None, unrotate=True)
-    mean = mx.repeat(cache.v.mean, 2, axis=1)
-    ref = cache.v.unrotate(attention._decode_reference(q, cache, None, None) + mean)
+    mean = mx.repeat(cache.v.rotate(cache.v.mean), 2, axis=1)
+    ref = cache.v.unrotate(_reference(q, cache, None, None, cache.packed_domain_segments()) + mean)
     m = np.array(rotation.rotation_matrix(cache.v.signs)).astype(np.float64) if cache.v.rotated else np.eye(64)
     truth = (truth_attention(q, cache, None, None) + np.array(mean)) @ m.T
     ref_err = np.abs(np.array(ref) - truth).max()
