@@ -4,17 +4,27 @@
 //
 // Grid (32, P, B*H_kv*NQC), threadgroup (32, TG_PARTS, 1): one simdgroup per
 // (KV head, chunk of QB query rows, slice of keys).  Template: FT (dtype of
-// the full-precision segments), D (key and value head dimension), QB.  Lane l
-// owns values [l*E, (l+1)*E) of every key and value; each key is read once
-// for all QB query rows (the rep query heads sharing the KV head times the L
-// positions).  Positions [0, S) are sinks, [S, S+NQ) packed, [S+NQ, S+NQ+NR)
-// recent.
+// the queries and of the full-precision segments), D (key and value head
+// dimension), QB.  Lane l owns values [l*E, (l+1)*E) of every key and value;
+// each key is read once for all QB query rows (the rep query heads sharing
+// the KV head times the L positions).  Positions [0, S) are sinks, [S, S+NQ)
+// packed, [S+NQ, S+NQ+NR) recent.
+//
+// Two domains (DESIGN.md section 10): the sink and recent rows are stored as
+// the model gave them (minus the key mean) and are scored with q * scale; the
+// packed rows are r((k - m) / lam) and are scored with r(q * scale * lam),
+// rotated here in registers.  A slice never mixes segments (the first P_S
+// slices cover the sinks, the next P_Q the packed rows, the rest the recent
+// rows), so each slice's partial output is in one domain and the merge
+// un-rotates only the packed slices' share.
 // params: n_sink, n_quant, n_recent, n_kv, rep, L, keys_per_part, n_qchunks,
 // k_bits, v_bits, group size, mask mode (0 none, 1 causal, 2 keep where the
-// float mask is nonzero, 3 additive); all uniform over the launch.
-// kc, ks, vc, vs and mask may be bound `constant` (fewer than 8 elements: a
-// placeholder, or one packed vector at low bits): they are only indexed, or
-// passed to the pointer-type template oiq_unpack.
+// float mask is nonzero, 3 additive), P_S, P_Q, has key scales, rotated keys;
+// all uniform over the launch.
+// q is read through its strides (a transposed view is fine).  kc, ks, vc, vs,
+// lam and mask may be bound `constant` (fewer than 8 elements: a placeholder,
+// or one packed vector at low bits): they are only indexed, or passed to the
+// pointer-type template oiq_unpack.
 // Outputs per (z, part, query row): part_o (D floats), part_ml (max, sum).
 constexpr int E = D / 32;
 
@@ -35,6 +45,10 @@ uint kbits = uint(params[8]);
 uint vbits = uint(params[9]);
 int group = params[10];
 int mask_mode = params[11];
+int p_sink = params[12];
+int p_quant = params[13];
+bool has_lam = params[14] != 0;
+bool k_rotated = params[15] != 0;
 float khalf = float((1 << kbits) - 1) / 2.0f;
 float vhalf = float((1 << vbits) - 1) / 2.0f;
 int T = n_sink + n_quant + n_recent;
@@ -44,6 +58,13 @@ int qc = z % nqc;
 int bh = z / nqc;
 int b = bh / n_kv;
 int kvh = bh % n_kv;
+
+// this slice's segment and positions
+int seg = part < p_sink ? 0 : (part < p_sink + p_quant ? 1 : 2);
+int seg_start = seg == 0 ? 0 : (seg == 1 ? n_sink : n_sink + n_quant);
+int seg_end = seg == 0 ? n_sink : (seg == 1 ? n_sink + n_quant : T);
+int t0 = seg_start + (part - (seg == 0 ? 0 : (seg == 1 ? p_sink : p_sink + p_quant))) * kpp;
+int t1 = min(seg_end, t0 + kpp);
 
 float qv[QB][E];
 float qsum[QB];
@@ -56,10 +77,26 @@ for (int i = 0; i < QB; i++) {
   int qqc = qvalid[i] ? qq : 0;
   qhead[i] = kvh * rep + qqc / L;
   qpos[i] = qqc % L;
-  const device float* qr = q + (size_t(b * n_q + kvh * rep) * L + qqc) * D + lane * E;
+  const device FT* qr = q + b * q_strides[0] + qhead[i] * q_strides[1] + qpos[i] * q_strides[2] + lane * E;
+  for (int e = 0; e < E; e++) {
+    qv[i][e] = qvalid[i] ? float(qr[e]) * scale : 0.0f;
+  }
+  if (seg == 1) {
+    // the packed keys' domain: r(q * scale * lam), as attention._prepare_queries + hadamard
+    for (int e = 0; e < E; e++) {
+      if (has_lam) {
+        qv[i][e] *= lam[(b * n_kv + kvh) * D + lane * E + e];
+      }
+      if (k_rotated) {
+        qv[i][e] *= k_signs[lane * E + e];
+      }
+    }
+    if (k_rotated) {
+      oiq_wht<E>(qv[i], lane, rot_scale);
+    }
+  }
   qsum[i] = 0.0f;
   for (int e = 0; e < E; e++) {
-    qv[i][e] = qvalid[i] ? qr[e] : 0.0f;
     qsum[i] += qv[i][e];
   }
 }
@@ -75,8 +112,6 @@ for (int i = 0; i < QB; i++) {
   }
 }
 
-int t0 = part * kpp;
-int t1 = min(T, t0 + kpp);
 for (int t = t0; t < t1; t++) {
   float partial[QB];
   float vv[E];

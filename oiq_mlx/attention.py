@@ -110,17 +110,27 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
     if cache.offset == 0:
         raise ValueError(f"{L} queries have no key to attend to: the cache holds 0 tokens")
     rep = n_q // n_kv
+    segments = cache.attention_segments()
+    cache.release_fresh()
+    fused = dispatch.decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments)
+    if fused is not None:
+        return fused[..., : v.head_dim].astype(queries.dtype)
+    return reference_output(queries, cache, scale, mask, sinks, segments)[..., : v.head_dim].astype(queries.dtype)
+
+
+def reference_output(queries: mx.array, cache, scale: float, mask, sinks, segments) -> mx.array:
+    """The reference path of :func:`oiq_attention` over ``segments``: ``(B, n_q, L, v.dim)``
+    float32 (what the decode kernels return too)."""
+    k, v = cache.k, cache.v
+    B, n_q, L, _ = queries.shape
+    n_kv = k.sink.shape[1]
+    rep = n_q // n_kv
     q = pad_last(queries, k.dim).reshape(B, n_kv, rep, L, k.dim)
     lam = _ONE if k.lam is None else mx.expand_dims(k.lam, 2)
     qs, qr = _prepare_queries(q, scale, lam, k.signs if k.rotated else _ONE)
     if k.rotated:
         qr = rotation.hadamard(qr)
     qs, qr = qs.reshape(B, n_q, L, k.dim), qr.reshape(B, n_q, L, k.dim)
-    segments = cache.attention_segments()
-    cache.release_fresh()
-    fused = dispatch.decode_attention_kernel(cache, qr, mask, sinks, unrotate=True, segments=segments, q_raw=qs)
-    if fused is not None:
-        return fused[..., : v.head_dim].astype(queries.dtype)
     if L <= DECODE_MAX_QUERIES:
         sink, window, packed = _decode_reference(qs, qr, cache, mask, sinks, segments)
     else:
@@ -128,10 +138,10 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
     if packed is not None and v.rotated:
         packed = rotation.hadamard(packed, transpose=True)
     mean = _ZERO if v.mean is None else mx.expand_dims(v.mean, 2).reshape(B, n_kv, 1, 1, v.dim)
-    out = _combine(queries.dtype)(*(_ZERO if x is None else x.reshape(B, n_kv, rep, L, v.dim)
-                                    for x in (sink, window, packed)),
-                                  v.signs if v.rotated else _ONE, mean)
-    return out.reshape(B, n_q, L, v.dim)[..., : v.head_dim]
+    out = _combine(mx.float32)(*(_ZERO if x is None else x.reshape(B, n_kv, rep, L, v.dim)
+                                 for x in (sink, window, packed)),
+                               v.signs if v.rotated else _ONE, mean)
+    return out.reshape(B, n_q, L, v.dim)
 
 
 def _gqa_mask(mask, n_kv: int, rep: int, L: int, T: int):

@@ -185,7 +185,6 @@ def _center_one(dtype):
 
 _SELECT_FIRST = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
 _ZERO = mx.array(0.0, mx.float32)
-_ONE = mx.array(1.0, mx.float32)
 
 
 class OIQKVCache(_BaseCache):
@@ -212,9 +211,10 @@ class OIQKVCache(_BaseCache):
         self.q_end = self.config.sink_tokens
         self.recent_start = self.config.sink_tokens
         self.dtype = None
-        # this call's rotated keys/values in full precision, kept only when some of
+        # this call's keys/values in full precision, kept only when some of
         # them were quantized before attention reads them (see attention_segments)
         self._fresh = None
+        self._stacked = None
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
         self.k = _Side(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
@@ -369,15 +369,19 @@ class OIQKVCache(_BaseCache):
         rotate = cfg.rotation != "none"
         if b - a > _STACK_MAX_ROWS or (k.bits, k.dim, k.clip) != (v.bits, v.dim, v.clip):
             return [dispatch.quantize_rows(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip,
-                                           lam=_ONE if s.lam is None else s.lam, signs=s.signs, rotate=rotate)
+                                           lam=s.lam, signs=s.signs, rotate=rotate)
                     for s in (k, v)]
         rows = mx.stack([k.recent[:, :, a:b], v.recent[:, :, a:b]])
-        if k.lam is None and v.lam is None:
-            lam = _ONE
-        else:
-            ref = k.lam if k.lam is not None else v.lam
-            lam = mx.stack([mx.ones_like(ref) if s.lam is None else s.lam for s in (k, v)])
-        signs = mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1)
+        if self._stacked is None:
+            # per-layer constants of the stacked pass, built once (statistics never change after
+            # the first chunk): 2 x (B, H, 1, d) key scales and 2 x d signs
+            lam = None
+            if k.lam is not None or v.lam is not None:
+                ref = k.lam if k.lam is not None else v.lam
+                lam = mx.stack([mx.ones_like(ref) if s.lam is None else s.lam for s in (k, v)])
+            self._stacked = (lam, mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1))
+            mx.eval(self._stacked)
+        lam, signs = self._stacked
         codes, scales = dispatch.quantize_rows(rows, k.bits, cfg.group_size, clip=k.clip, lam=lam, signs=signs,
                                                rotate=rotate)
         return [(codes[i : i + 1].reshape(codes.shape[1:]), scales[i : i + 1].reshape(scales.shape[1:]))
@@ -430,17 +434,6 @@ class OIQKVCache(_BaseCache):
             quant = tuple(a[:, :, :n_q] for a in quant) if n_q > 0 else None
         a = cut - start
         return sink_k, sink_v, quant, fk[:, :, a:], fv[:, :, a:]
-
-    def packed_domain_segments(self, segments=None):
-        """``segments`` (default :meth:`attention_segments`) with the full-precision
-        rows brought into the packed segment's domain, ``rotate(x / lam)`` in the
-        cache dtype: one domain for all, what the Metal decode kernel reads."""
-        sink_k, sink_v, quant, recent_k, recent_v = self.attention_segments() if segments is None else segments
-
-        def conv(side, x):
-            return None if x is None else side.window_to_packed(x).astype(self.dtype)
-
-        return conv(self.k, sink_k), conv(self.v, sink_v), quant, conv(self.k, recent_k), conv(self.v, recent_v)
 
     def release_fresh(self):
         """Drop the full-precision copy of the last write (attention calls this)."""

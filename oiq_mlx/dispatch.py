@@ -9,8 +9,9 @@ attention within float32 rounding).
 
 Kernels serve head (storage) dimensions 32, 64, 128 and 256; other sizes
 (80, 96, 112, 160, 192, ... whose rotation is not a plain power-of-two
-Walsh-Hadamard transform) always take the reference path, as does
-``clip=True`` quantization.
+Walsh-Hadamard transform) always take the reference path.  The rows a cache
+packs go through :func:`quantize_rows` (one fused kernel, ``clip=True``
+included); the plain :func:`quantize` kernel does not serve ``clip=True``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import mlx.core as mx
 
 from . import codec, rotation
 from .kernels._source import SUPPORTED_DIMS
+from .kernels.decode_attention import decode_attention
+from .kernels.dequantize import dequantize as kernel_dequantize
+from .kernels.quantize import quantize as kernel_quantize
+from .kernels.quantize import quantize_rows as kernel_quantize_rows
 
 # queries per step up to which attention takes the decode path (kernel or reference)
 DECODE_MAX_QUERIES = 8
@@ -60,9 +65,7 @@ def quantize_kernel(x: mx.array, bits: int, group_size: int, *, signs=None, clip
         return None
     if not _signs_ok(signs, x.shape[-1]):
         return None
-    from .kernels.quantize import quantize
-
-    return quantize(x, bits=bits, group_size=group_size, signs=signs)
+    return kernel_quantize(x, bits=bits, group_size=group_size, signs=signs)
 
 
 def quantize(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool = False):
@@ -84,24 +87,32 @@ def _to_packed_domain(x, lam, signs):
     return x.astype(mx.float32) / lam * signs
 
 
-def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array, signs: mx.array,
+_ONE = mx.array(1.0, mx.float32)
+
+
+def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | None, signs: mx.array,
                   rotate: bool = True, clip: bool = False):
-    """Codes and scales of window rows entering the packed segment of a cache.
+    """Codes and scales of window rows entering the packed segment of a cache: one fused
+    kernel (key scaling, sign flip, Walsh-Hadamard, abs-max or clip search, rounding,
+    packing) when one serves the call, else the reference.
 
     Equals ``codec.quantize(rotation.rotate(x.astype(float32) / lam, signs), bits, group_size,
     clip=clip)`` (``codec.quantize(x / lam * signs, ...)`` with ``rotate`` False), codes and
     scales bit-exact.
 
     Args:
-        x: ``(..., d)`` rows as the window holds them (centered, model dtype).
-        lam: key scales, float32, broadcastable to ``x`` (1 for values).
-        signs: the rotation signs, float32, broadcastable to ``x``.
+        x: ``(..., n, d)`` rows as the window holds them (centered, model dtype).
+        lam: key scales, float32, broadcastable to ``x`` with size 1 on the row axis, or None.
+        signs: the rotation signs, float32, broadcastable the same way.
     """
-    y = _to_packed_domain(x, lam, signs)
+    if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
+            and _codec_shape_ok(x.shape[-1], bits, group_size)):
+        return kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
+                                    clip=clip)
+    y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
     if rotate:
         y = rotation.hadamard(y)
-    out = quantize_kernel(y, bits, group_size, clip=clip)
-    return out if out is not None else _compiled_quantize(bits, group_size, clip)(y)
+    return _compiled_quantize(bits, group_size, clip)(y)
 
 
 # -- dequantize -----------------------------------------------------------------
@@ -125,9 +136,7 @@ def dequantize_kernel(codes: mx.array, scales: mx.array, bits: int, group_size: 
         return None
     if dtype not in (mx.float16, mx.bfloat16, mx.float32):
         return None
-    from .kernels.dequantize import dequantize
-
-    return dequantize(codes, scales, bits=bits, group_size=group_size, dtype=dtype, signs=signs)
+    return kernel_dequantize(codes, scales, bits=bits, group_size=group_size, dtype=dtype, signs=signs)
 
 
 def dequantize(codes: mx.array, scales: mx.array, bits: int, group_size: int, *, dtype=mx.float32, signs=None):
@@ -155,31 +164,25 @@ def _mask_ok(mask, shape) -> bool:
     return mask.ndim <= 4
 
 
-def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate: bool = False, segments=None,
-                            q_raw: mx.array | None = None):
+def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks, *, segments=None):
     """Fused decode attention over ``cache`` when a kernel serves this call, else None
     (the caller runs the reference path).
 
     Args:
         cache: an OIQKVCache holding at least one token.
-        q_rotated: ``(B, n_q, L, k_dim)`` float32 queries times the softmax scale and the
-            key scales, rotated with the key signs; L <= 8.
-        mask, sinks: as for ``attention.oiq_attention``.
+        queries: ``(B, n_q, L, head_dim)`` as the model gives them; L <= 8.
+        scale, mask, sinks: as for ``attention.oiq_attention``.
         segments: what to attend to (default ``cache.attention_segments()``).
-        unrotate: False: return the output in the packed (rotated, centered) domain.  True:
-            return the final output, value mean added and un-rotated, still ``v.dim`` wide
-            (slice to ``v.head_dim``).
-        q_raw: the queries times the softmax scale, un-rotated (needed with ``sinks`` and
-            centered keys).
 
     Returns:
-        ``(B, n_q, L, v.dim)`` float32, or None.
+        ``(B, n_q, L, v.dim)`` float32, the output before its cast to the query dtype (slice to
+        ``v.head_dim``), or None.
     """
-    if not kernels_enabled() or not isinstance(q_rotated, mx.array) or q_rotated.ndim != 4:
+    if not kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
         return None
     k, v, cfg = cache.k, cache.v, cache.config
-    B, n_q, L, dq = q_rotated.shape
-    if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.dim:
+    B, n_q, L, dq = queries.shape
+    if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.head_dim:
         return None
     if k.dim != v.dim or not _codec_shape_ok(k.dim, k.bits, cfg.group_size) \
             or not _codec_shape_ok(v.dim, v.bits, cfg.group_size):
@@ -191,21 +194,17 @@ def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate
         return None
     if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
         return None
-    if sinks is not None and k.mean is not None and q_raw is None:
-        return None
-    from .kernels.decode_attention import decode_attention
-
+    q = queries if queries.dtype == cache.dtype else queries.astype(cache.dtype)
+    if dq != k.dim:
+        q = mx.pad(q, [(0, 0)] * 3 + [(0, k.dim - dq)])
     if sinks is not None and k.mean is not None:
         # centered keys shift every score by -q.mean; the sink logit must follow
-        qg = q_raw.reshape(B, n_kv, n_q // n_kv, L, dq)
+        qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, k.dim) * scale
         shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
         sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
-    # the kernel reads every segment in the packed domain: the full-precision rows
-    # (held un-rotated) are brought there for the call
-    segments = cache.packed_domain_segments(segments)
     return decode_attention(
-        q_rotated, segments=segments, k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
-        mask=mask, sinks=sinks,
-        v_mean=None if not unrotate or v.mean is None else v.rotate(v.mean),
-        v_signs=v.signs if unrotate and v.rotated else None,
+        q, scale=scale, segments=cache.attention_segments() if segments is None else segments,
+        k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
+        k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
+        v_signs=v.signs if v.rotated else None,
     )

@@ -14,11 +14,11 @@ SHAPE = dict(n_q_heads=8, n_kv_heads=2, head_dim=64, context=300)
 STEPS = 2 * OIQKVCache.flush_block
 
 
-def _counts(name, kernels=False):
+def _counts(name, kernels=False, dtype=mx.float32):
     spec = next(s for s in bench.default_specs((4, 3, 2), (4,)) if s.name == name)
     return trace.decode_dispatches(
         spec.make_layer_cache, lambda c, fetched, q: bench._attention_call(spec, c, fetched, q, 0.125),
-        steps=STEPS, kernels=kernels, **SHAPE)
+        steps=STEPS, kernels=kernels, dtype=dtype, **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,16 @@ def test_only_block_steps_quantize():
         ends.append(cache.q_end)
     assert len(set(ends)) == 3 and all((b - 4) % cache.block == 0 for b in ends)
     assert 64 <= cache.offset - cache.q_end < 64 + cache.block
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
+def test_metal_path_dispatches(preset):
+    """With the Metal kernels selected (as on a Mac; kernel calls recorded, not run), a float16
+    decode step is at most the fp16 KVCache + SDPA count plus 2: 6 (the centering pass, the two
+    slice updates KVCache does too, the two attention kernels, the cast of the output).  A step
+    that packs a block adds the one fused quantize kernel and the slice updates of codes and scales."""
+    r = _counts(f"oiq-{preset}", kernels=True, dtype=mx.float16)
+    assert r["min"] <= 6, r
+    assert r["breakdown"]["kernel"] == 2 and "Hadamard" not in r["breakdown"], r["breakdown"]
+    assert r["max"] <= 12, r
+    assert r["mean"] <= 6.5, r
