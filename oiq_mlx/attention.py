@@ -34,7 +34,10 @@ import mlx.core as mx
 from . import dispatch, rotation
 from .cache import pad_last
 from .codec import SUPPORTED_BITS
-from .dispatch import DECODE_MAX_QUERIES
+from .kernels.decode_attention import decode_attention
+
+# queries per step up to which attention takes the decode path (kernel or reference)
+DECODE_MAX_QUERIES = 8
 
 _ONE = mx.array(1.0, mx.float32)
 _ZERO = mx.array(0.0, mx.float32)
@@ -112,7 +115,7 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
     rep = n_q // n_kv
     segments = cache.attention_segments()
     cache.release_fresh()
-    fused = dispatch.decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments)
+    fused = decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments)
     if fused is not None:
         return fused[..., : v.head_dim].astype(queries.dtype)
     return reference_output(queries, cache, scale, mask, sinks, segments)[..., : v.head_dim].astype(queries.dtype)
@@ -142,6 +145,64 @@ def reference_output(queries: mx.array, cache, scale: float, mask, sinks, segmen
                                  for x in (sink, window, packed)),
                                v.signs if v.rotated else _ONE, mean)
     return out.reshape(B, n_q, L, v.dim)
+
+
+def _mask_ok(mask, shape) -> bool:
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return True
+    if not isinstance(mask, mx.array):
+        return False
+    try:
+        mx.broadcast_shapes(mask.shape, shape)
+    except ValueError:
+        return False
+    return mask.ndim <= 4
+
+
+def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks, *, segments=None):
+    """Fused decode attention over ``cache`` when a kernel serves this call, else None
+    (the caller runs the reference path).
+
+    Args:
+        cache: an OIQKVCache holding at least one token.
+        queries: ``(B, n_q, L, head_dim)`` as the model gives them; L <= 8.
+        scale, mask, sinks: as for ``attention.oiq_attention``.
+        segments: what to attend to (default ``cache.attention_segments()``).
+
+    Returns:
+        ``(B, n_q, L, v.dim)`` float32, the output before its cast to the query dtype (slice to
+        ``v.head_dim``), or None.
+    """
+    if not dispatch.kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
+        return None
+    k, v, cfg = cache.k, cache.v, cache.config
+    B, n_q, L, dq = queries.shape
+    if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.head_dim:
+        return None
+    if k.dim != v.dim or not dispatch.codec_shape_ok(k.dim, k.bits, cfg.group_size) \
+            or not dispatch.codec_shape_ok(v.dim, v.bits, cfg.group_size):
+        return None
+    n_kv = k.sink.shape[1]
+    if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, cache.offset)):
+        return None
+    if isinstance(mask, str) and L > 1 and cache.offset < L:
+        return None
+    if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
+        return None
+    q = queries if queries.dtype == cache.dtype else queries.astype(cache.dtype)
+    if dq != k.dim:
+        q = mx.pad(q, [(0, 0)] * 3 + [(0, k.dim - dq)])
+    if sinks is not None and k.mean is not None:
+        # centered keys shift every score by -q.mean; the sink logit must follow
+        qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, k.dim) * scale
+        shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
+        sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
+    return decode_attention(
+        q, scale=scale, segments=cache.attention_segments() if segments is None else segments,
+        k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
+        k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
+        v_signs=v.signs if v.rotated else None,
+    )
 
 
 def _gqa_mask(mask, n_kv: int, rep: int, L: int, T: int):

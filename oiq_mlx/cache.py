@@ -88,8 +88,16 @@ def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, batch_heads
     return new
 
 
-class _Side:
-    """Storage of one side (keys or values) of one layer."""
+class SideStorage:
+    """Storage of one side (keys or values) of one layer: ``cache.k`` and ``cache.v``.
+
+    Public for the modules that read a cache (attention, evaluation, benchmarks):
+    ``bits``, ``dim`` / ``head_dim``, ``signs``, ``rotated``, ``mean`` (``m``,
+    un-rotated, or None), ``lam`` (key scales or None), ``codes`` / ``scales``
+    (packed segment, capacity-sized), ``sink`` / ``recent`` (full precision,
+    ``x - m``), and the domain maps :meth:`packed_to_window` /
+    :meth:`window_to_packed`.  Only the cache writes them.
+    """
 
     def __init__(self, bits: int, group_size: int, clip: bool, center: bool, scale_power: float = 0.0):
         self.bits, self.group_size, self.clip, self.center = bits, group_size, clip, center
@@ -217,8 +225,8 @@ class OIQKVCache(_BaseCache):
         self._stacked = None
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
-        self.k = _Side(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
-        self.v = _Side(v_bits, cfg.group_size, cfg.clip, cfg.center_values)
+        self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
+        self.v = SideStorage(v_bits, cfg.group_size, cfg.clip, cfg.center_values)
 
     # -- writing -----------------------------------------------------------
 

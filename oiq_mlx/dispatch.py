@@ -1,5 +1,7 @@
-"""The one place that decides between the fused Metal kernels and the
-reference (plain MLX) path.
+"""The choice between the fused Metal kernels and the reference (plain MLX)
+path for quantize and dequantize (the decode-kernel choice is with attention,
+``attention.decode_attention_kernel``); depends only on codec, rotation and
+the kernels.
 
 Kernels are used when Metal is available, the default device is the GPU,
 the shape is one the kernels serve, and ``OIQ_MLX_FORCE_REFERENCE`` is not
@@ -23,13 +25,9 @@ import mlx.core as mx
 
 from . import codec, rotation
 from .kernels._source import SUPPORTED_DIMS
-from .kernels.decode_attention import decode_attention
 from .kernels.dequantize import dequantize as kernel_dequantize
 from .kernels.quantize import quantize as kernel_quantize
 from .kernels.quantize import quantize_rows as kernel_quantize_rows
-
-# queries per step up to which attention takes the decode path (kernel or reference)
-DECODE_MAX_QUERIES = 8
 
 
 def kernels_enabled() -> bool:
@@ -38,7 +36,7 @@ def kernels_enabled() -> bool:
     return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
-def _codec_shape_ok(dim: int, bits: int, group_size: int) -> bool:
+def codec_shape_ok(dim: int, bits: int, group_size: int) -> bool:
     return (
         dim in SUPPORTED_DIMS
         and bits in codec.SUPPORTED_BITS
@@ -61,7 +59,7 @@ def quantize_kernel(x: mx.array, bits: int, group_size: int, *, signs=None, clip
     """
     if not kernels_enabled() or clip or not isinstance(x, mx.array) or x.ndim < 1 or x.size == 0:
         return None
-    if not mx.issubdtype(x.dtype, mx.floating) or not _codec_shape_ok(x.shape[-1], bits, group_size):
+    if not mx.issubdtype(x.dtype, mx.floating) or not codec_shape_ok(x.shape[-1], bits, group_size):
         return None
     if not _signs_ok(signs, x.shape[-1]):
         return None
@@ -106,7 +104,7 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
         signs: the rotation signs, float32, broadcastable the same way.
     """
     if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
-            and _codec_shape_ok(x.shape[-1], bits, group_size)):
+            and codec_shape_ok(x.shape[-1], bits, group_size)):
         return kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
                                     clip=clip)
     y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
@@ -130,7 +128,7 @@ def dequantize_kernel(codes: mx.array, scales: mx.array, bits: int, group_size: 
     if codes.ndim < 1 or codes.size == 0 or bits not in codec.SUPPORTED_BITS:
         return None
     dim = codes.shape[-1] * 32 // bits
-    if codes.shape[-1] * 32 % bits or not _codec_shape_ok(dim, bits, group_size) or not _signs_ok(signs, dim):
+    if codes.shape[-1] * 32 % bits or not codec_shape_ok(dim, bits, group_size) or not _signs_ok(signs, dim):
         return None
     if scales.shape != (*codes.shape[:-1], dim // group_size):
         return None
@@ -147,64 +145,3 @@ def dequantize(codes: mx.array, scales: mx.array, bits: int, group_size: int, *,
         return out
     y = codec.dequantize(codes, scales, bits, group_size, dtype=mx.float32 if signs is not None else dtype)
     return rotation.unrotate(y, signs).astype(dtype) if signs is not None else y
-
-
-# -- decode attention -----------------------------------------------------------
-
-
-def _mask_ok(mask, shape) -> bool:
-    if mask is None or (isinstance(mask, str) and mask == "causal"):
-        return True
-    if not isinstance(mask, mx.array):
-        return False
-    try:
-        mx.broadcast_shapes(mask.shape, shape)
-    except ValueError:
-        return False
-    return mask.ndim <= 4
-
-
-def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks, *, segments=None):
-    """Fused decode attention over ``cache`` when a kernel serves this call, else None
-    (the caller runs the reference path).
-
-    Args:
-        cache: an OIQKVCache holding at least one token.
-        queries: ``(B, n_q, L, head_dim)`` as the model gives them; L <= 8.
-        scale, mask, sinks: as for ``attention.oiq_attention``.
-        segments: what to attend to (default ``cache.attention_segments()``).
-
-    Returns:
-        ``(B, n_q, L, v.dim)`` float32, the output before its cast to the query dtype (slice to
-        ``v.head_dim``), or None.
-    """
-    if not kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
-        return None
-    k, v, cfg = cache.k, cache.v, cache.config
-    B, n_q, L, dq = queries.shape
-    if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.head_dim:
-        return None
-    if k.dim != v.dim or not _codec_shape_ok(k.dim, k.bits, cfg.group_size) \
-            or not _codec_shape_ok(v.dim, v.bits, cfg.group_size):
-        return None
-    n_kv = k.sink.shape[1]
-    if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, cache.offset)):
-        return None
-    if isinstance(mask, str) and L > 1 and cache.offset < L:
-        return None
-    if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
-        return None
-    q = queries if queries.dtype == cache.dtype else queries.astype(cache.dtype)
-    if dq != k.dim:
-        q = mx.pad(q, [(0, 0)] * 3 + [(0, k.dim - dq)])
-    if sinks is not None and k.mean is not None:
-        # centered keys shift every score by -q.mean; the sink logit must follow
-        qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, k.dim) * scale
-        shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
-        sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
-    return decode_attention(
-        q, scale=scale, segments=cache.attention_segments() if segments is None else segments,
-        k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
-        k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
-        v_signs=v.signs if v.rotated else None,
-    )

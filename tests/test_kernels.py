@@ -459,7 +459,7 @@ def test_dispatch_without_metal_returns_none_and_reference():
     cfg = OIQConfig()
     cache = _filled_cache(cfg, T=60)
     q = _queries(cache, 1, 2, 1, 128)
-    assert dispatch.decode_attention_kernel(cache, q, SCALE[128], None, None) is None
+    assert attention.decode_attention_kernel(cache, q, SCALE[128], None, None) is None
     x = _heavy_tailed((3, 128), mx.float32, seed=0)
     assert dispatch.quantize_kernel(x, 4, 32) is None
     codes, scales = dispatch.quantize(x, 4, 32)
@@ -505,7 +505,7 @@ def test_dispatch_fused_unrotation_with_value_mean(kernels_on, rotation_kind):
                     rotation=rotation_kind)
     cache = _filled_cache(cfg, n_kv=2, d=64, T=120, dtype=mx.float32)
     q = _queries(cache, 1, 4, 1, 64)
-    out = dispatch.decode_attention_kernel(cache, q, SCALE[64], None, None)
+    out = attention.decode_attention_kernel(cache, q, SCALE[64], None, None)
     truth = truth_attention(q, cache, None, None)
     ref_err = np.abs(np.array(_reference(q, cache, None, None, cache.segments())) - truth).max()
     assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 1e-6
@@ -515,12 +515,12 @@ def test_dispatch_declines_unsupported_attention(kernels_on):
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32)
     cache = _filled_cache(cfg, n_kv=1, d=96, T=50)
     q = _queries(cache, 1, 1, 1, 96)
-    assert dispatch.decode_attention_kernel(cache, q, SCALE[96], None, None) is None
+    assert attention.decode_attention_kernel(cache, q, SCALE[96], None, None) is None
     assert not kernels_on  # d = 96 is not a power of two: the quantize kernel declined too
     cache = _filled_cache(cfg, n_kv=1, d=64, T=50)
     kernels_on.clear()
     q = _queries(cache, 1, 1, 9, 64)
-    assert dispatch.decode_attention_kernel(cache, q, SCALE[64], "causal", None) is None
+    assert attention.decode_attention_kernel(cache, q, SCALE[64], "causal", None) is None
     assert not kernels_on
 
 
@@ -548,7 +548,7 @@ def test_short_chat_before_anything_is_packed(kernels_on, preset):
     assert cache.segments()[2] is None
     q = _queries(cache, 1, 3, 1, 64)
     kernels_on.clear()
-    out = dispatch.decode_attention_kernel(cache, q, SCALE[64], None, None)
+    out = attention.decode_attention_kernel(cache, q, SCALE[64], None, None)
     assert len(kernels_on) == 2
     truth = truth_attention(q, cache, None, None)
     ref_err = np.abs(np.array(_reference(q, cache, None, None, cache.segments())) - truth).max()
@@ -694,9 +694,10 @@ def _sweep_attention(d, dtype, qb):
     k_bits, g = pairs[i % len(pairs)]
     v_bits = codec.SUPPORTED_BITS[(i * 5 + 1) % len(codec.SUPPORTED_BITS)]
     B, n_kv, rep, L = _ROWS[qb]
-    assert query_rows_per_chunk(rep * L) == qb
+    assert query_rows_per_chunk(rep * L, d) == qb
     cfg = OIQConfig(k_bits=k_bits, v_bits=v_bits, group_size=g, sink_tokens=4, window=16,
-                    center_values=i % 2 == 0, center_keys=False)
+                    center_values=i % 2 == 0, center_keys=False, key_scaling=0.5 * (i % 2),
+                    rotation="none" if i % 5 == 4 else "hadamard")
     T = 70
     cache = _filled_cache(cfg, B=B, n_kv=n_kv, d=d, T=T, L=L, dtype=dtype, seed=i)
     q = _queries(cache, B, n_kv * rep, L, d, seed=i)
@@ -738,6 +739,8 @@ def test_every_production_instantiation_ran():
 
     all_pairs = {(b, g) for d in SUPPORTED_DIMS for b, g in codec_params(d)}
     assert values("oiq_quantize", 0, 1) == all_pairs and values("oiq_quantize", 2) == {(0,), (1,)}
+    assert values("oiq_quantize", 3) == {(0,), (1,)}                                           # clip search
+    assert {r["params"][4] > 0 for r in _launched("oiq_quantize")} == {False, True}          # key scales
     assert values("oiq_dequantize", 0, 1) == all_pairs and values("oiq_dequantize", 2) == {(0,), (1,)}
     att = _launched("oiq_decode_attention")
     assert {(r["params"][8],) for r in att} == {(b,) for b in codec.SUPPORTED_BITS}          # k bits
@@ -749,6 +752,7 @@ def test_every_production_instantiation_ran():
     assert values("oiq_decode_merge", 6) == {(0,), (1,)}                                       # sinks
     assert values("oiq_decode_merge", 7) == {(0,), (1,)}                                       # value mean
     assert values("oiq_decode_merge", 8) == {(0,), (1,)}                                       # un-rotate
+    assert {(r["params"][14], r["params"][15]) for r in att} >= {(0, 1), (1, 1), (0, 0)}     # key scales, rotation
 
 
 def test_resources_of_production_instantiations():

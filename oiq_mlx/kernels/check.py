@@ -126,7 +126,7 @@ def check_decode(preset: str, d: int, context: int, B: int, dtype, n_kv: int, re
     segs = cache.segments()
 
     def kernel():
-        return dispatch.decode_attention_kernel(cache, queries, d ** -0.5, mask, None, segments=segs)
+        return attention.decode_attention_kernel(cache, queries, d ** -0.5, mask, None, segments=segs)
 
     def reference():
         return attention.reference_output(queries, cache, d ** -0.5, mask, None, segs)

@@ -13,6 +13,9 @@ from . import _launch
 from ._source import build_kernel
 
 MAX_QUERY_ROWS = 8  # query rows (rep * L) sharing one read of the cache per simdgroup
+# Query rows x values per lane one simdgroup may hold: MLX's own GQA vector kernel caps rows x D/32
+# at 16, and each row costs 2 x D/32 live floats per lane here (query and accumulator).
+MAX_ROW_VALUES = 16
 KEYS_PER_PART_MIN = 64
 TARGET_SIMDGROUPS = 1024  # enough slices to fill an M-series GPU at small batch
 PARTS_PER_THREADGROUP = 4
@@ -20,10 +23,17 @@ ROWS_PER_THREADGROUP = 4
 _MASK_NONE, _MASK_CAUSAL, _MASK_BOOL, _MASK_ADD = 0, 1, 2, 3
 
 
-def query_rows_per_chunk(rows: int) -> int:
-    """QB, the query rows one simdgroup serves: the power of two >= rows, at most MAX_QUERY_ROWS
-    (powers of two only, so that few kernel instantiations exist; padded rows are skipped)."""
-    return min(MAX_QUERY_ROWS, 1 << max(0, rows - 1).bit_length())
+def max_query_rows(d: int) -> int:
+    """The most query rows one simdgroup serves at head dimension d: 8 at d <= 64, 4 at 128, 2 at 256
+    (rows x d/32 <= MAX_ROW_VALUES), so live registers stay near MLX's GQA kernel's."""
+    return max(1, min(MAX_QUERY_ROWS, MAX_ROW_VALUES * 32 // d))
+
+
+def query_rows_per_chunk(rows: int, d: int) -> int:
+    """QB, the query rows one simdgroup serves: the power of two >= rows, at most max_query_rows(d)
+    (powers of two only, so that few kernel instantiations exist; padded rows are skipped).  More
+    rows than that read the cache once per chunk of QB rows."""
+    return min(max_query_rows(d), 1 << max(0, rows - 1).bit_length())
 
 
 def _attention_kernel():
@@ -140,7 +150,7 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
         mask_arr = mx.broadcast_to(mask.astype(mx.float32), (B, n_q, L, T))
 
     rows = rep * L
-    qb = query_rows_per_chunk(rows)
+    qb = query_rows_per_chunk(rows, dk)
     nqc = math.ceil(rows / qb)
     kpp = keys_per_part_ or keys_per_part(T, B * n_kv * nqc)
     # slices never straddle two segments (each slice's output is in one domain)
