@@ -27,6 +27,7 @@
 // pointer-type template oiq_unpack.
 // Outputs per (z, part, query row): part_o (D floats), part_ml (max, sum).
 constexpr int E = D / 32;
+constexpr int KF = 2;
 
 uint lane = thread_position_in_threadgroup.x;
 int part = int(thread_position_in_grid.y);
@@ -112,80 +113,98 @@ for (int i = 0; i < QB; i++) {
   }
 }
 
-for (int t = t0; t < t1; t++) {
-  float partial[QB];
-  float vv[E];
-  if (t < n_sink || t >= n_sink + n_quant) {
-    bool sink = t < n_sink;
-    int tr = sink ? t : t - n_sink - n_quant;
-    const device FT* kr = sink
-        ? sk + b * sk_strides[0] + kvh * sk_strides[1] + tr * sk_strides[2] + lane * E
-        : rk + b * rk_strides[0] + kvh * rk_strides[1] + tr * rk_strides[2] + lane * E;
-    const device FT* vr = sink
-        ? sv + b * sv_strides[0] + kvh * sv_strides[1] + tr * sv_strides[2] + lane * E
-        : rv + b * rv_strides[0] + kvh * rv_strides[1] + tr * rv_strides[2] + lane * E;
-    float kk[E];
-    for (int e = 0; e < E; e++) {
-      kk[e] = float(kr[e]);
-    }
-    for (int i = 0; i < QB; i++) {
-      float acc = 0.0f;
+// KF keys in flight: the loads and partial dot products of keys t .. t+KF-1 are
+// issued before their simd_sums and softmax updates, which then run in order
+// (the same float operations as one key at a time).  A slice never straddles
+// two segments, so the segment branch is uniform over the whole loop.
+bool fp_seg = seg != 1;
+for (int t = t0; t < t1; t += KF) {
+  float partial[KF][QB];
+  float vv[KF][E];
+  for (int j = 0; j < KF; j++) {
+    // past the slice's end: re-read key t (in bounds) and skip its update below
+    int tj = t + j < t1 ? t + j : t;
+    if (fp_seg) {
+      bool sink = seg == 0;
+      int tr = sink ? tj : tj - n_sink - n_quant;
+      const device FT* kr = sink
+          ? sk + b * sk_strides[0] + kvh * sk_strides[1] + tr * sk_strides[2] + lane * E
+          : rk + b * rk_strides[0] + kvh * rk_strides[1] + tr * rk_strides[2] + lane * E;
+      const device FT* vr = sink
+          ? sv + b * sv_strides[0] + kvh * sv_strides[1] + tr * sv_strides[2] + lane * E
+          : rv + b * rv_strides[0] + kvh * rv_strides[1] + tr * rv_strides[2] + lane * E;
+      float kk[E];
       for (int e = 0; e < E; e++) {
-        acc += qv[i][e] * kk[e];
+        kk[e] = float(kr[e]);
       }
-      partial[i] = acc;
-    }
-    for (int e = 0; e < E; e++) {
-      vv[e] = float(vr[e]);
-    }
-  } else {
-    int tq = t - n_sink;
-    uint c[E];
-    oiq_unpack<E>(kc + b * kc_strides[0] + kvh * kc_strides[1] + tq * kc_strides[2], kbits, lane, c);
-    float ks_ = float(ks[b * ks_strides[0] + kvh * ks_strides[1] + tq * ks_strides[2] + lane * E / group]);
-    float kf[E];
-    for (int e = 0; e < E; e++) {
-      kf[e] = float(c[e]);
-    }
-    // q . (s * (c - h)) = s * (q . c - h * sum(q)): one multiply per value.
-    for (int i = 0; i < QB; i++) {
-      float acc = 0.0f;
+      for (int i = 0; i < QB; i++) {
+        float acc = 0.0f;
+        for (int e = 0; e < E; e++) {
+          acc += qv[i][e] * kk[e];
+        }
+        partial[j][i] = acc;
+      }
       for (int e = 0; e < E; e++) {
-        acc += qv[i][e] * kf[e];
+        vv[j][e] = float(vr[e]);
       }
-      partial[i] = ks_ * (acc - khalf * qsum[i]);
-    }
-    uint cv[E];
-    oiq_unpack<E>(vc + b * vc_strides[0] + kvh * vc_strides[1] + tq * vc_strides[2], vbits, lane, cv);
-    float vs_ = float(vs[b * vs_strides[0] + kvh * vs_strides[1] + tq * vs_strides[2] + lane * E / group]);
-    for (int e = 0; e < E; e++) {
-      vv[e] = (float(cv[e]) - vhalf) * vs_;
+    } else {
+      int tq = tj - n_sink;
+      uint c[E];
+      oiq_unpack<E>(kc + b * kc_strides[0] + kvh * kc_strides[1] + tq * kc_strides[2], kbits, lane, c);
+      float ks_ = float(ks[b * ks_strides[0] + kvh * ks_strides[1] + tq * ks_strides[2] + lane * E / group]);
+      float kf[E];
+      for (int e = 0; e < E; e++) {
+        kf[e] = float(c[e]);
+      }
+      // q . (s * (c - h)) = s * (q . c - h * sum(q)): one multiply per value.
+      for (int i = 0; i < QB; i++) {
+        float acc = 0.0f;
+        for (int e = 0; e < E; e++) {
+          acc += qv[i][e] * kf[e];
+        }
+        partial[j][i] = ks_ * (acc - khalf * qsum[i]);
+      }
+      uint cv[E];
+      oiq_unpack<E>(vc + b * vc_strides[0] + kvh * vc_strides[1] + tq * vc_strides[2], vbits, lane, cv);
+      float vs_ = float(vs[b * vs_strides[0] + kvh * vs_strides[1] + tq * vs_strides[2] + lane * E / group]);
+      for (int e = 0; e < E; e++) {
+        vv[j][e] = (float(cv[e]) - vhalf) * vs_;
+      }
     }
   }
-  for (int i = 0; i < QB; i++) {
-    float s = simd_sum(partial[i]);
-    if (mask_mode == 1) {
-      s = t <= T - L + qpos[i] ? s : -INFINITY;
-    } else if (mask_mode >= 2) {
-      float mv = mask[b * mask_strides[0] + qhead[i] * mask_strides[1] + qpos[i] * mask_strides[2] +
-                      t * mask_strides[3]];
-      if (mask_mode == 2) {
-        s = mv != 0.0f ? s : -INFINITY;
-      } else {
-        s += float(mv);
-      }
+  float score[KF][QB];
+  for (int j = 0; j < KF; j++) {
+    for (int i = 0; i < QB; i++) {
+      score[j][i] = simd_sum(partial[j][i]);
     }
-    // s is uniform across the simdgroup, so this branch is too.  NaN scores
-    // (a NaN group in the cache) are let through so that they show.
-    if (s != -INFINITY) {
-      float m_new = max(m[i], s);
-      float f = exp(m[i] - m_new);
-      float p = exp(s - m_new);
-      lsum[i] = lsum[i] * f + p;
-      for (int e = 0; e < E; e++) {
-        o[i][e] = o[i][e] * f + p * vv[e];
+  }
+  for (int j = 0; j < KF && t + j < t1; j++) {
+    int tj = t + j;
+    for (int i = 0; i < QB; i++) {
+      float s = score[j][i];
+      if (mask_mode == 1) {
+        s = tj <= T - L + qpos[i] ? s : -INFINITY;
+      } else if (mask_mode >= 2) {
+        float mv = mask[b * mask_strides[0] + qhead[i] * mask_strides[1] + qpos[i] * mask_strides[2] +
+                        tj * mask_strides[3]];
+        if (mask_mode == 2) {
+          s = mv != 0.0f ? s : -INFINITY;
+        } else {
+          s += float(mv);
+        }
       }
-      m[i] = m_new;
+      // s is uniform across the simdgroup, so this branch is too.  NaN scores
+      // (a NaN group in the cache) are let through so that they show.
+      if (s != -INFINITY) {
+        float m_new = max(m[i], s);
+        float f = exp(m[i] - m_new);
+        float p = exp(s - m_new);
+        lsum[i] = lsum[i] * f + p;
+        for (int e = 0; e < E; e++) {
+          o[i][e] = o[i][e] * f + p * vv[j][e];
+        }
+        m[i] = m_new;
+      }
     }
   }
 }
