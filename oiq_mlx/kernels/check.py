@@ -13,7 +13,7 @@ import time
 
 import mlx.core as mx
 
-from .. import attention, codec, dispatch, rotation
+from .. import attention, codec, rotation
 from ..cache import OIQKVCache
 from ..config import OIQConfig
 from .decode_attention import decode_attention
