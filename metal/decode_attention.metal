@@ -4,19 +4,30 @@
 //
 // Grid (32, P, B*H_kv*NQC), threadgroup (32, TG_PARTS, 1): one simdgroup per
 // (KV head, chunk of QB query rows, slice of keys).  Template: FT (dtype of
-// the full-precision segments), D (key and value head dimension), QB.  Lane l
-// owns values [l*E, (l+1)*E) of every key and value; each key is read once
-// for all QB query rows (the rep query heads sharing the KV head times the L
-// positions).  Positions [0, S) are sinks, [S, S+NQ) packed, [S+NQ, S+NQ+NR)
-// recent.
+// the queries and of the full-precision segments), D (key and value head
+// dimension), QB.  Lane l owns values [l*E, (l+1)*E) of every key and value;
+// each key is read once for all QB query rows (the rep query heads sharing
+// the KV head times the L positions).  Positions [0, S) are sinks, [S, S+NQ)
+// packed, [S+NQ, S+NQ+NR) recent.
+//
+// Two domains (DESIGN.md section 13): the sink and recent rows are stored as
+// the model gave them (minus the key mean) and are scored with q * scale; the
+// packed rows are r((k - m) / lam) and are scored with r(q * scale * lam),
+// rotated here in registers.  A slice never mixes segments (the first P_S
+// slices cover the sinks, the next P_Q the packed rows, the rest the recent
+// rows), so each slice's partial output is in one domain and the merge
+// un-rotates only the packed slices' share.
 // params: n_sink, n_quant, n_recent, n_kv, rep, L, keys_per_part, n_qchunks,
 // k_bits, v_bits, group size, mask mode (0 none, 1 causal, 2 keep where the
-// float mask is nonzero, 3 additive); all uniform over the launch.
-// kc, ks, vc, vs and mask may be bound `constant` (fewer than 8 elements: a
-// placeholder, or one packed vector at low bits): they are only indexed, or
-// passed to the pointer-type template oiq_unpack.
+// float mask is nonzero, 3 additive), P_S, P_Q, has key scales, rotated keys;
+// all uniform over the launch.
+// q is read through its strides (a transposed view is fine).  kc, ks, vc, vs,
+// lam and mask may be bound `constant` (fewer than 8 elements: a placeholder,
+// or one packed vector at low bits): they are only indexed, or passed to the
+// pointer-type template oiq_unpack.
 // Outputs per (z, part, query row): part_o (D floats), part_ml (max, sum).
 constexpr int E = D / 32;
+constexpr int KF = 2;
 
 uint lane = thread_position_in_threadgroup.x;
 int part = int(thread_position_in_grid.y);
@@ -35,6 +46,10 @@ uint kbits = uint(params[8]);
 uint vbits = uint(params[9]);
 int group = params[10];
 int mask_mode = params[11];
+int p_sink = params[12];
+int p_quant = params[13];
+bool has_lam = params[14] != 0;
+bool k_rotated = params[15] != 0;
 float khalf = float((1 << kbits) - 1) / 2.0f;
 float vhalf = float((1 << vbits) - 1) / 2.0f;
 int T = n_sink + n_quant + n_recent;
@@ -44,6 +59,13 @@ int qc = z % nqc;
 int bh = z / nqc;
 int b = bh / n_kv;
 int kvh = bh % n_kv;
+
+// this slice's segment and positions
+int seg = part < p_sink ? 0 : (part < p_sink + p_quant ? 1 : 2);
+int seg_start = seg == 0 ? 0 : (seg == 1 ? n_sink : n_sink + n_quant);
+int seg_end = seg == 0 ? n_sink : (seg == 1 ? n_sink + n_quant : T);
+int t0 = seg_start + (part - (seg == 0 ? 0 : (seg == 1 ? p_sink : p_sink + p_quant))) * kpp;
+int t1 = min(seg_end, t0 + kpp);
 
 float qv[QB][E];
 float qsum[QB];
@@ -56,10 +78,26 @@ for (int i = 0; i < QB; i++) {
   int qqc = qvalid[i] ? qq : 0;
   qhead[i] = kvh * rep + qqc / L;
   qpos[i] = qqc % L;
-  const device float* qr = q + (size_t(b * n_q + kvh * rep) * L + qqc) * D + lane * E;
+  const device FT* qr = q + b * q_strides[0] + qhead[i] * q_strides[1] + qpos[i] * q_strides[2] + lane * E;
+  for (int e = 0; e < E; e++) {
+    qv[i][e] = qvalid[i] ? float(qr[e]) * scale : 0.0f;
+  }
+  if (seg == 1) {
+    // the packed keys' domain: r(q * scale * lam), as attention._prepare_queries + hadamard
+    for (int e = 0; e < E; e++) {
+      if (has_lam) {
+        qv[i][e] *= lam[(b * n_kv + kvh) * D + lane * E + e];
+      }
+      if (k_rotated) {
+        qv[i][e] *= k_signs[lane * E + e];
+      }
+    }
+    if (k_rotated) {
+      oiq_wht<E>(qv[i], lane, rot_scale);
+    }
+  }
   qsum[i] = 0.0f;
   for (int e = 0; e < E; e++) {
-    qv[i][e] = qvalid[i] ? qr[e] : 0.0f;
     qsum[i] += qv[i][e];
   }
 }
@@ -75,82 +113,98 @@ for (int i = 0; i < QB; i++) {
   }
 }
 
-int t0 = part * kpp;
-int t1 = min(T, t0 + kpp);
-for (int t = t0; t < t1; t++) {
-  float partial[QB];
-  float vv[E];
-  if (t < n_sink || t >= n_sink + n_quant) {
-    bool sink = t < n_sink;
-    int tr = sink ? t : t - n_sink - n_quant;
-    const device FT* kr = sink
-        ? sk + b * sk_strides[0] + kvh * sk_strides[1] + tr * sk_strides[2] + lane * E
-        : rk + b * rk_strides[0] + kvh * rk_strides[1] + tr * rk_strides[2] + lane * E;
-    const device FT* vr = sink
-        ? sv + b * sv_strides[0] + kvh * sv_strides[1] + tr * sv_strides[2] + lane * E
-        : rv + b * rv_strides[0] + kvh * rv_strides[1] + tr * rv_strides[2] + lane * E;
-    float kk[E];
-    for (int e = 0; e < E; e++) {
-      kk[e] = float(kr[e]);
-    }
-    for (int i = 0; i < QB; i++) {
-      float acc = 0.0f;
+// KF keys in flight: the loads and partial dot products of keys t .. t+KF-1 are
+// issued before their simd_sums and softmax updates, which then run in order
+// (the same float operations as one key at a time).  A slice never straddles
+// two segments, so the segment branch is uniform over the whole loop.
+bool fp_seg = seg != 1;
+for (int t = t0; t < t1; t += KF) {
+  float partial[KF][QB];
+  float vv[KF][E];
+  for (int j = 0; j < KF; j++) {
+    // past the slice's end: re-read key t (in bounds) and skip its update below
+    int tj = t + j < t1 ? t + j : t;
+    if (fp_seg) {
+      bool sink = seg == 0;
+      int tr = sink ? tj : tj - n_sink - n_quant;
+      const device FT* kr = sink
+          ? sk + b * sk_strides[0] + kvh * sk_strides[1] + tr * sk_strides[2] + lane * E
+          : rk + b * rk_strides[0] + kvh * rk_strides[1] + tr * rk_strides[2] + lane * E;
+      const device FT* vr = sink
+          ? sv + b * sv_strides[0] + kvh * sv_strides[1] + tr * sv_strides[2] + lane * E
+          : rv + b * rv_strides[0] + kvh * rv_strides[1] + tr * rv_strides[2] + lane * E;
+      float kk[E];
       for (int e = 0; e < E; e++) {
-        acc += qv[i][e] * kk[e];
+        kk[e] = float(kr[e]);
       }
-      partial[i] = acc;
-    }
-    for (int e = 0; e < E; e++) {
-      vv[e] = float(vr[e]);
-    }
-  } else {
-    int tq = t - n_sink;
-    uint c[E];
-    oiq_unpack<E>(kc + b * kc_strides[0] + kvh * kc_strides[1] + tq * kc_strides[2], kbits, lane, c);
-    float ks_ = float(ks[b * ks_strides[0] + kvh * ks_strides[1] + tq * ks_strides[2] + lane * E / group]);
-    float kf[E];
-    for (int e = 0; e < E; e++) {
-      kf[e] = float(c[e]);
-    }
-    // q . (s * (c - h)) = s * (q . c - h * sum(q)): one multiply per value.
-    for (int i = 0; i < QB; i++) {
-      float acc = 0.0f;
+      for (int i = 0; i < QB; i++) {
+        float acc = 0.0f;
+        for (int e = 0; e < E; e++) {
+          acc += qv[i][e] * kk[e];
+        }
+        partial[j][i] = acc;
+      }
       for (int e = 0; e < E; e++) {
-        acc += qv[i][e] * kf[e];
+        vv[j][e] = float(vr[e]);
       }
-      partial[i] = ks_ * (acc - khalf * qsum[i]);
-    }
-    uint cv[E];
-    oiq_unpack<E>(vc + b * vc_strides[0] + kvh * vc_strides[1] + tq * vc_strides[2], vbits, lane, cv);
-    float vs_ = float(vs[b * vs_strides[0] + kvh * vs_strides[1] + tq * vs_strides[2] + lane * E / group]);
-    for (int e = 0; e < E; e++) {
-      vv[e] = (float(cv[e]) - vhalf) * vs_;
+    } else {
+      int tq = tj - n_sink;
+      uint c[E];
+      oiq_unpack<E>(kc + b * kc_strides[0] + kvh * kc_strides[1] + tq * kc_strides[2], kbits, lane, c);
+      float ks_ = float(ks[b * ks_strides[0] + kvh * ks_strides[1] + tq * ks_strides[2] + lane * E / group]);
+      float kf[E];
+      for (int e = 0; e < E; e++) {
+        kf[e] = float(c[e]);
+      }
+      // q . (s * (c - h)) = s * (q . c - h * sum(q)): one multiply per value.
+      for (int i = 0; i < QB; i++) {
+        float acc = 0.0f;
+        for (int e = 0; e < E; e++) {
+          acc += qv[i][e] * kf[e];
+        }
+        partial[j][i] = ks_ * (acc - khalf * qsum[i]);
+      }
+      uint cv[E];
+      oiq_unpack<E>(vc + b * vc_strides[0] + kvh * vc_strides[1] + tq * vc_strides[2], vbits, lane, cv);
+      float vs_ = float(vs[b * vs_strides[0] + kvh * vs_strides[1] + tq * vs_strides[2] + lane * E / group]);
+      for (int e = 0; e < E; e++) {
+        vv[j][e] = (float(cv[e]) - vhalf) * vs_;
+      }
     }
   }
-  for (int i = 0; i < QB; i++) {
-    float s = simd_sum(partial[i]);
-    if (mask_mode == 1) {
-      s = t <= T - L + qpos[i] ? s : -INFINITY;
-    } else if (mask_mode >= 2) {
-      float mv = mask[b * mask_strides[0] + qhead[i] * mask_strides[1] + qpos[i] * mask_strides[2] +
-                      t * mask_strides[3]];
-      if (mask_mode == 2) {
-        s = mv != 0.0f ? s : -INFINITY;
-      } else {
-        s += float(mv);
-      }
+  float score[KF][QB];
+  for (int j = 0; j < KF; j++) {
+    for (int i = 0; i < QB; i++) {
+      score[j][i] = simd_sum(partial[j][i]);
     }
-    // s is uniform across the simdgroup, so this branch is too.  NaN scores
-    // (a NaN group in the cache) are let through so that they show.
-    if (s != -INFINITY) {
-      float m_new = max(m[i], s);
-      float f = exp(m[i] - m_new);
-      float p = exp(s - m_new);
-      lsum[i] = lsum[i] * f + p;
-      for (int e = 0; e < E; e++) {
-        o[i][e] = o[i][e] * f + p * vv[e];
+  }
+  for (int j = 0; j < KF && t + j < t1; j++) {
+    int tj = t + j;
+    for (int i = 0; i < QB; i++) {
+      float s = score[j][i];
+      if (mask_mode == 1) {
+        s = tj <= T - L + qpos[i] ? s : -INFINITY;
+      } else if (mask_mode >= 2) {
+        float mv = mask[b * mask_strides[0] + qhead[i] * mask_strides[1] + qpos[i] * mask_strides[2] +
+                        tj * mask_strides[3]];
+        if (mask_mode == 2) {
+          s = mv != 0.0f ? s : -INFINITY;
+        } else {
+          s += float(mv);
+        }
       }
-      m[i] = m_new;
+      // s is uniform across the simdgroup, so this branch is too.  NaN scores
+      // (a NaN group in the cache) are let through so that they show.
+      if (s != -INFINITY) {
+        float m_new = max(m[i], s);
+        float f = exp(m[i] - m_new);
+        float p = exp(s - m_new);
+        lsum[i] = lsum[i] * f + p;
+        for (int e = 0; e < E; e++) {
+          o[i][e] = o[i][e] * f + p * vv[j][e];
+        }
+        m[i] = m_new;
+      }
     }
   }
 }

@@ -1,12 +1,16 @@
 // OIQ decode attention, pass 2: log-sum-exp merge of the slices (and the
-// attention-sink logit) + value mean + inverse Walsh-Hadamard + sign flip.
+// attention-sink logit), inverse Walsh-Hadamard + sign flip of the packed
+// slices' share only, + value mean.
 //
 // Grid (32, B*H_q*L, 1), threadgroup (32, ROWS, 1): one simdgroup per query
 // row, lane l owning output values [l*E, (l+1)*E).  Template: D (value head
 // dimension).  params: n_kv, rep, L, n_parts, n_qchunks, QB (query rows per
-// chunk of pass 1), has sinks, has mean, unrotate (uniform over the launch).
+// chunk of pass 1), has sinks, has mean, unrotate, P_S, P_Q (slices
+// [P_S, P_S + P_Q) are the packed segment's, in the rotated domain; the others
+// are un-rotated); uniform over the launch.
 // part_ml, sinks, mean and signs may be bound `constant` (fewer than 8
-// elements); they are only indexed.  Output: out (B, H_q, L, D) float32.
+// elements); they are only indexed.  mean: the value mean, un-rotated
+// (B, H_kv, D).  Output: out (B, H_q, L, D) float32.
 constexpr int E = D / 32;
 
 uint lane = thread_position_in_threadgroup.x;
@@ -20,6 +24,8 @@ int qb = params[5];
 bool has_sinks = params[6] != 0;
 bool has_mean = params[7] != 0;
 bool unrotate = params[8] != 0;
+int p_sink = params[9];
+int p_quant = params[10];
 int n_q = n_kv * rep;
 
 int b = g / (n_q * L);
@@ -38,8 +44,10 @@ float sink = has_sinks ? sinks[g] : -INFINITY;  // sinks: (B, H_q, L) logits
 mx_ = max(mx_, sink);
 float lsum = 0.0f;
 float acc[E];
+float acc_packed[E];
 for (int e = 0; e < E; e++) {
   acc[e] = 0.0f;
+  acc_packed[e] = 0.0f;
 }
 for (int p = 0; p < n_parts; p++) {
   size_t slot = (size_t(z) * n_parts + p) * qb + i;
@@ -47,8 +55,14 @@ for (int p = 0; p < n_parts; p++) {
   if (mp > -INFINITY) {
     float f = exp(mp - mx_);
     lsum += part_ml[slot * 2 + 1] * f;
+    bool packed = p >= p_sink && p < p_sink + p_quant;
     for (int e = 0; e < E; e++) {
-      acc[e] += part_o[slot * D + lane * E + e] * f;
+      float w = part_o[slot * D + lane * E + e] * f;
+      if (packed) {
+        acc_packed[e] += w;
+      } else {
+        acc[e] += w;
+      }
     }
   }
 }
@@ -57,10 +71,7 @@ if (has_sinks) {
 }
 float y[E];
 for (int e = 0; e < E; e++) {
-  y[e] = acc[e] / lsum;
-  if (has_mean) {
-    y[e] += mean[(b * n_kv + kvh) * D + lane * E + e];
-  }
+  y[e] = acc_packed[e] / lsum;
 }
 if (unrotate) {
   oiq_wht<E>(y, lane, rot_scale);
@@ -69,5 +80,9 @@ if (unrotate) {
   }
 }
 for (int e = 0; e < E; e++) {
+  y[e] += acc[e] / lsum;
+  if (has_mean) {
+    y[e] += mean[(b * n_kv + kvh) * D + lane * E + e];
+  }
   out[size_t(g) * D + lane * E + e] = y[e];
 }

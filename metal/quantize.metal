@@ -1,19 +1,29 @@
-// OIQ quantize: [sign flip + Walsh-Hadamard] + group abs-max + rounding + bit packing.
+// OIQ quantize: [key scaling + sign flip + Walsh-Hadamard] + group abs-max
+// [+ MSE clip search] + rounding + bit packing, one pass per row.
 //
 // Grid (32, N, 1), threadgroup (32, ROWS, 1): one simdgroup per row (token x
 // head) of D values, lane l owning values [l*E, (l+1)*E).  Template: T (input
-// dtype), D, ROWS.  params: bits, group size, rotate (apply the rotation
-// first); they are uniform over the launch, so their branches and loop bounds
-// are too.
-// Inputs: x (N, D), signs (D,) float32, rot_scale (float, 1/sqrt(D)), params.
+// dtype), D, ROWS.  params: bits, group size, rotate, clip, rows per lam row
+// (0: no key scales), rows per signs row, round (cast the rotated row back to
+// T before quantizing, as rotation.rotate does for T input); all uniform over
+// the launch, so their branches and loop bounds are too.
+// Inputs: x (N, D); lam (N / rows_per_lam, D) float32 key scales (or a
+// placeholder); signs (N / rows_per_signs, D) float32; rot_scale (float,
+// 1/sqrt(D)); clip_ratios (11,) float32 (codec.CLIP_RATIOS); params.
+// The row as quantized: y = H(x / lam * signs) / sqrt(D) (dispatch.quantize_rows).
 // Outputs: codes (N, D*bits/32) uint32, scales (N, D/group) float16.
 constexpr int E = D / 32;
+constexpr int N_CLIP = 11;
 
 threadgroup uchar tg_codes[ROWS * D];
 
 int bits = params[0];
 int group = params[1];
 bool rotate = params[2] != 0;
+bool clip = params[3] != 0;
+int rows_per_lam = params[4];
+int rows_per_signs = params[5];
+bool round_to_input = params[6] != 0;
 int W = D * bits / 32;
 int lanes_per_group = group / E;
 float half_levels = float((1 << bits) - 1) / 2.0f;
@@ -27,14 +37,20 @@ float y[E];
 for (int e = 0; e < E; e++) {
   y[e] = float(xr[e]);
 }
+if (rows_per_lam > 0) {
+  for (int e = 0; e < E; e++) {
+    y[e] = y[e] / lam[(row / rows_per_lam) * D + lane * E + e];
+  }
+}
 if (rotate) {
   for (int e = 0; e < E; e++) {
-    y[e] *= signs[lane * E + e];
+    y[e] *= signs[(row / rows_per_signs) * D + lane * E + e];
   }
   oiq_wht<E>(y, lane, rot_scale);
-  // rotation.rotate returns its input dtype: round there before quantizing.
-  for (int e = 0; e < E; e++) {
-    y[e] = float(T(y[e]));
+  if (round_to_input) {
+    for (int e = 0; e < E; e++) {
+      y[e] = float(T(y[e]));
+    }
   }
 }
 
@@ -54,6 +70,37 @@ if (bad) {
 }
 // The scale is rounded to float16 (saturated) before the codes are computed.
 half scale_h = half(min(amax / half_levels, 65504.0f));
+// (uniform over the simdgroup: the shuffles below need every lane, so a group
+// holding non-finite values runs the search too and ignores its result)
+if (clip) {
+  // codec.quantize(clip=True): the candidate (amax * ratio / half, as stored) of least
+  // squared error, the first on ties; errors summed neighbours first (codec.pairwise_sum):
+  // in registers over the lane's E values, then across the group's lanes.
+  float best_err = INFINITY;
+  for (int c = 0; c < N_CLIP; c++) {
+    half cand_h = half(min(amax * clip_ratios[c] / half_levels, 65504.0f));
+    float cand = float(cand_h);
+    float err[E];
+    for (int e = 0; e < E; e++) {
+      float code = cand > 0.0f ? clamp(rint(y[e] / cand + half_levels), 0.0f, 2.0f * half_levels) : 0.0f;
+      float d = (code - half_levels) * cand - y[e];
+      err[e] = d * d;
+    }
+    for (int h = 1; h < E; h <<= 1) {
+      for (int e = 0; e < E; e += 2 * h) {
+        err[e] = err[e] + err[e + h];
+      }
+    }
+    float total = err[0];
+    for (ushort m = 1; m < lanes_per_group; m <<= 1) {
+      total = total + simd_shuffle_xor(total, m);
+    }
+    if (!bad && total < best_err) {
+      best_err = total;
+      scale_h = cand_h;
+    }
+  }
+}
 float scale = float(scale_h);
 for (int e = 0; e < E; e++) {
   float c = scale > 0.0f ? clamp(rint(y[e] / scale + half_levels), 0.0f, 2.0f * half_levels) : 0.0f;

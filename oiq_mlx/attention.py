@@ -1,20 +1,24 @@
 """OIQ attention over an :class:`~oiq_mlx.cache.OIQKVCache`.
 
-``q . k == r(q) . r(k)`` and ``sum_i p_i v_i == r^-1(sum_i p_i r(v_i))``
-(DESIGN section 2): the query is rotated once, scores are taken against the
-stored rotated keys, values are accumulated in the rotated domain and the
-output is un-rotated once.  Keys are never un-rotated.
+The window and sinks hold keys and values as the model gave them, minus the
+side's mean (``k - m``); the packed segment holds ``r((k - m) / lam)`` (DESIGN.md
+sections 2 and 13).  So the window is scored with the query as given and the
+packed segment with ``r(q * lam)``: both give ``q . (k - m)``, one constant
+``q . m`` away from ``q . k`` for every key of a query, which softmax ignores.
+Values: the packed segment's share of the output is un-rotated once, and the
+value mean added once (the weights sum to 1).
 
 Two reference paths (plain MLX ops), picked by the number of queries:
 
 * decode (``L <= DECODE_MAX_QUERIES``): scores of the full-precision segments
   by matmul and of the packed segment by ``mx.quantized_matmul`` on the codes
   (no float copy of the quantized cache is made); one softmax over all
-  segments, which is the log-sum-exp merge of their partial results done in
-  one step;
-* prefill: the packed segment is dequantized for this layer only and
-  ``mx.fast.scaled_dot_product_attention`` runs on the rotated K/V, so peak
-  memory stays that of the full-precision cache of one layer.
+  segments; the elementwise steps are compiled, so a step of one layer is
+  about as many operations as mlx-lm's ``QuantizedKVCache`` (DESIGN.md section 13);
+* prefill: the packed segment is dequantized into the window's domain for
+  this layer only and ``mx.fast.scaled_dot_product_attention`` runs on the
+  keys/values, so peak memory stays that of the full-precision cache of one
+  layer.
 
 Both read :meth:`OIQKVCache.attention_segments`: the tokens of the current
 call are attended in full precision even when the call already quantized
@@ -23,12 +27,59 @@ some of them (a prompt longer than the window), so prefill is exact.
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
-from . import dispatch
+from . import dispatch, rotation
 from .cache import pad_last
-from .codec import affine_biases
-from .dispatch import DECODE_MAX_QUERIES
+from .codec import SUPPORTED_BITS
+from .kernels.decode_attention import decode_attention
+
+# queries per step up to which attention takes the decode path (kernel or reference)
+DECODE_MAX_QUERIES = 8
+
+_ONE = mx.array(1.0, mx.float32)
+_ZERO = mx.array(0.0, mx.float32)
+# -(2^b - 1) / 2 for each bits: the affine bias of a group is this times its scale
+_HALF = {b: mx.array(-((1 << b) - 1) / 2, mx.float32) for b in SUPPORTED_BITS}
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _prepare_queries(q, scale, lam, signs):
+    """``q * scale`` (for the full-precision segments) and ``q * scale * lam * signs``
+    (to be Hadamard-transformed for the packed segment), float32."""
+    qs = q.astype(mx.float32) * scale
+    return qs, qs * lam * signs
+
+
+# rows of _affine's output: k scales, v scales, k biases, v biases
+_AFFINE_ROWS = tuple(mx.array([i == j for i in range(4)]).reshape(4, 1, 1, 1, 1) for j in range(3))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _affine(ks, vs, k_half, v_half, first, second, third):
+    """float32 scales and ``mx.quantized_matmul`` biases of both sides' packed
+    segments ``(1, B, H, T, groups)`` in one elementwise pass: ``(4, B, H, T,
+    groups)`` = k scales, v scales, k biases, v biases."""
+    a, b = ks.astype(mx.float32), vs.astype(mx.float32)
+    return mx.where(first, a, mx.where(second, b, mx.where(third, a * k_half, b * v_half)))
+
+
+@functools.lru_cache(maxsize=None)
+def _combine(dtype):
+    """Output: the sinks' and the window's shares + the un-rotated packed share
+    (signs) + the value mean, in one elementwise pass."""
+
+    def combine(sink, window, packed, signs, mean):
+        return (sink + window + packed * signs + mean).astype(dtype)
+
+    return mx.compile(combine, shapeless=True)
+
+
+def unstack(a: mx.array):
+    """The rows of ``a`` along its first axis as views (indexing would gather)."""
+    return [a[i : i + 1].reshape(a.shape[1:]) for i in range(a.shape[0])]
 
 
 def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:
@@ -61,23 +112,97 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         return mx.zeros((B, n_q, 0, v.head_dim), queries.dtype)
     if cache.offset == 0:
         raise ValueError(f"{L} queries have no key to attend to: the cache holds 0 tokens")
-    q = pad_last(queries.astype(mx.float32) * scale, k.dim)
-    if k.lam is not None:
-        q = (q.reshape(B, n_kv, n_q // n_kv, L, k.dim) * mx.expand_dims(k.lam, 2)).reshape(B, n_q, L, k.dim)
-    q = k.rotate(q)
+    rep = n_q // n_kv
     segments = cache.attention_segments()
     cache.release_fresh()
-    fused = dispatch.decode_attention_kernel(cache, q, mask, sinks, unrotate=True, segments=segments)
+    fused = decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments)
     if fused is not None:
         return fused[..., : v.head_dim].astype(queries.dtype)
+    return reference_output(queries, cache, scale, mask, sinks, segments)[..., : v.head_dim].astype(queries.dtype)
+
+
+def reference_output(queries: mx.array, cache, scale: float, mask, sinks, segments) -> mx.array:
+    """The reference path of :func:`oiq_attention` over ``segments``: ``(B, n_q, L, v.dim)``
+    float32 (what the decode kernels return too)."""
+    k, v = cache.k, cache.v
+    B, n_q, L, _ = queries.shape
+    n_kv = k.sink.shape[1]
+    rep = n_q // n_kv
+    q = pad_last(queries, k.dim).reshape(B, n_kv, rep, L, k.dim)
+    lam = _ONE if k.lam is None else mx.expand_dims(k.lam, 2)
+    qs, qr = _prepare_queries(q, scale, lam, k.signs if k.rotated else _ONE)
+    if k.rotated:
+        qr = rotation.hadamard(qr)
+    qs, qr = qs.reshape(B, n_q, L, k.dim), qr.reshape(B, n_q, L, k.dim)
     if L <= DECODE_MAX_QUERIES:
-        out = _decode_reference(q, cache, mask, sinks, segments)
+        sink, window, packed = _decode_reference(qs, qr, cache, mask, sinks, segments)
     else:
-        out = _prefill_reference(q, cache, mask, sinks, segments)
-    if v.mean is not None:
-        out = out + mx.repeat(v.mean, n_q // n_kv, axis=1)
-    out = v.unrotate(out)[..., : v.head_dim]
-    return out.astype(queries.dtype)
+        sink, window, packed = _prefill_reference(qs, cache, mask, sinks, segments), None, None
+    if packed is not None and v.rotated:
+        packed = rotation.hadamard(packed, transpose=True)
+    mean = _ZERO if v.mean is None else mx.expand_dims(v.mean, 2).reshape(B, n_kv, 1, 1, v.dim)
+    out = _combine(mx.float32)(*(_ZERO if x is None else x.reshape(B, n_kv, rep, L, v.dim)
+                                 for x in (sink, window, packed)),
+                               v.signs if v.rotated else _ONE, mean)
+    return out.reshape(B, n_q, L, v.dim)
+
+
+def _mask_ok(mask, shape) -> bool:
+    if mask is None or (isinstance(mask, str) and mask == "causal"):
+        return True
+    if not isinstance(mask, mx.array):
+        return False
+    try:
+        mx.broadcast_shapes(mask.shape, shape)
+    except ValueError:
+        return False
+    return mask.ndim <= 4
+
+
+def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks, *, segments=None):
+    """Fused decode attention over ``cache`` when a kernel serves this call, else None
+    (the caller runs the reference path).
+
+    Args:
+        cache: an OIQKVCache holding at least one token.
+        queries: ``(B, n_q, L, head_dim)`` as the model gives them; L <= 8.
+        scale, mask, sinks: as for ``attention.oiq_attention``.
+        segments: what to attend to (default ``cache.attention_segments()``).
+
+    Returns:
+        ``(B, n_q, L, v.dim)`` float32, the output before its cast to the query dtype (slice to
+        ``v.head_dim``), or None.
+    """
+    if not dispatch.kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
+        return None
+    k, v, cfg = cache.k, cache.v, cache.config
+    B, n_q, L, dq = queries.shape
+    if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.head_dim:
+        return None
+    if k.dim != v.dim or not dispatch.codec_shape_ok(k.dim, k.bits, cfg.group_size) \
+            or not dispatch.codec_shape_ok(v.dim, v.bits, cfg.group_size):
+        return None
+    n_kv = k.sink.shape[1]
+    if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, cache.offset)):
+        return None
+    if isinstance(mask, str) and L > 1 and cache.offset < L:
+        return None
+    if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
+        return None
+    q = queries if queries.dtype == cache.dtype else queries.astype(cache.dtype)
+    if dq != k.dim:
+        q = mx.pad(q, [(0, 0)] * 3 + [(0, k.dim - dq)])
+    if sinks is not None and k.mean is not None:
+        # centered keys shift every score by -q.mean; the sink logit must follow
+        qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, k.dim) * scale
+        shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
+        sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
+    return decode_attention(
+        q, scale=scale, segments=cache.attention_segments() if segments is None else segments,
+        k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
+        k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
+        v_signs=v.signs if v.rotated else None,
+    )
 
 
 def _gqa_mask(mask, n_kv: int, rep: int, L: int, T: int):
@@ -97,29 +222,39 @@ def _gqa_mask(mask, n_kv: int, rep: int, L: int, T: int):
     return mask
 
 
-def _decode_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.array:
-    """Few queries over ``segments`` (default ``cache.attention_segments()``):
-    returns rotated outputs ``(B, n_q, L, v_dim)`` (centered)."""
-    B, n_q, L, dq = q.shape
+def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=None):
+    """Few queries over ``segments`` (default ``cache.attention_segments()``).
+
+    ``qs``: queries times the softmax scale; ``qr``: the same times the key scales,
+    rotated (what the packed keys are scored with); both ``(B, n_q, L, k_dim)``.
+    Returns ``(sink, window, packed)``, each ``(B, n_q, L, v_dim)`` float32 or
+    None: the shares of the output of the sinks and the window (centered) and
+    of the packed segment (still rotated).
+    """
+    B, n_q, L, dq = qs.shape
     k, v, gs = cache.k, cache.v, cache.config.group_size
     sink_k, sink_v, quant, recent_k, recent_v = cache.attention_segments() if segments is None else segments
     n_kv = k.sink.shape[1]
     rep = n_q // n_kv
-    qg = q.reshape(B, n_kv, rep, L, dq)
+    qg = qs.reshape(B, n_kv, rep, L, dq)
     parts = []
     if sink_k is not None:
-        parts.append(qg @ mx.expand_dims(sink_k.astype(mx.float32), 2).swapaxes(-1, -2))
+        parts.append(qg @ mx.expand_dims(sink_k, 2).swapaxes(-1, -2))
     if quant is not None:
         kc, ks, vc, vs = quant
-        ks = ks.astype(mx.float32)
+        if ks.shape == vs.shape:
+            ks, vs, kb, vb = unstack(_affine(ks[None], vs[None], _HALF[k.bits], _HALF[v.bits], *_AFFINE_ROWS))
+        else:
+            ks, _, kb, _ = unstack(_affine(ks[None], ks[None], _HALF[k.bits], _HALF[k.bits], *_AFFINE_ROWS))
+            vs, _, vb, _ = unstack(_affine(vs[None], vs[None], _HALF[v.bits], _HALF[v.bits], *_AFFINE_ROWS))
         parts.append(
             mx.quantized_matmul(
-                qg, kc[:, :, None], ks[:, :, None], affine_biases(ks, k.bits)[:, :, None],
+                qr.reshape(B, n_kv, rep, L, dq), kc[:, :, None], ks[:, :, None], kb[:, :, None],
                 transpose=True, group_size=gs, bits=k.bits,
             )
         )
     if recent_k is not None:
-        parts.append(qg @ mx.expand_dims(recent_k.astype(mx.float32), 2).swapaxes(-1, -2))
+        parts.append(qg @ mx.expand_dims(recent_k, 2).swapaxes(-1, -2))
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     T = scores.shape[-1]
     m = _gqa_mask(mask, n_kv, rep, L, T)
@@ -137,28 +272,28 @@ def _decode_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.arra
         p = mx.softmax(scores, axis=-1, precise=True)[..., 1:]
     else:
         p = mx.softmax(scores, axis=-1, precise=True)
-    out = 0.0
+    sink = window = packed = None
     i = 0
     if sink_v is not None:
         n = sink_v.shape[2]
-        out = out + p[..., i : i + n] @ mx.expand_dims(sink_v.astype(mx.float32), 2)
+        sink = p[..., i : i + n] @ mx.expand_dims(sink_v, 2)
         i += n
     if quant is not None:
         n = vc.shape[2]
-        vs = vs.astype(mx.float32)
-        out = out + mx.quantized_matmul(
-            p[..., i : i + n], vc[:, :, None], vs[:, :, None], affine_biases(vs, v.bits)[:, :, None],
+        packed = mx.quantized_matmul(
+            p[..., i : i + n], vc[:, :, None], vs[:, :, None], vb[:, :, None],
             transpose=False, group_size=gs, bits=v.bits,
         )
         i += n
     if recent_v is not None:
-        out = out + p[..., i:] @ mx.expand_dims(recent_v.astype(mx.float32), 2)
-    return out.reshape(B, n_q, L, v.dim)
+        window = p[..., i:] @ mx.expand_dims(recent_v, 2)
+    return sink, window, packed
 
 
-def _prefill_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.array:
-    """Many queries over ``segments`` (default ``cache.attention_segments()``):
-    dequantize this layer's packed segment, fused SDPA."""
+def _prefill_reference(qs: mx.array, cache, mask, sinks, segments=None) -> mx.array:
+    """Many queries (``qs``: times the softmax scale) over ``segments`` (default
+    ``cache.attention_segments()``): the packed segment dequantized into the
+    window's domain for this layer, fused SDPA.  Returns the centered output."""
     k, v, gs = cache.k, cache.v, cache.config.group_size
     sink_k, sink_v, quant, recent_k, recent_v = cache.attention_segments() if segments is None else segments
     ks_, vs_ = [], []
@@ -166,8 +301,8 @@ def _prefill_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.arr
         ks_.append(sink_k), vs_.append(sink_v)
     if quant is not None:
         kc, ksc, vc, vsc = quant
-        ks_.append(dispatch.dequantize(kc, ksc, k.bits, gs, dtype=cache.dtype))
-        vs_.append(dispatch.dequantize(vc, vsc, v.bits, gs, dtype=cache.dtype))
+        ks_.append(k.packed_to_window(dispatch.dequantize(kc, ksc, k.bits, gs)).astype(cache.dtype))
+        vs_.append(v.packed_to_window(dispatch.dequantize(vc, vsc, v.bits, gs)).astype(cache.dtype))
     if recent_k is not None:
         ks_.append(recent_k), vs_.append(recent_v)
     keys = mx.concatenate(ks_, axis=2) if len(ks_) > 1 else ks_[0]
@@ -177,8 +312,9 @@ def _prefill_reference(q: mx.array, cache, mask, sinks, segments=None) -> mx.arr
         keys = (keys + k.mean).astype(cache.dtype)
     compute = cache.dtype
     return mx.fast.scaled_dot_product_attention(
-        q.astype(compute), keys, values, scale=1.0, mask=mask, sinks=sinks
-    )
+        qs.astype(compute), keys, values, scale=1.0, mask=mask, sinks=sinks
+    ).astype(mx.float32)
+
 
 
 def oiq_batch_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:

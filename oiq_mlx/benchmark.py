@@ -33,6 +33,7 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
+from . import trace
 from .attention import oiq_attention
 from .cache import OIQKVCache
 from .config import OIQConfig
@@ -337,11 +338,44 @@ def run_model(
             if fp is not None:
                 row["decode_ratio_vs_fp"] = row["decode_ms_stats"]["median"] / fp["decode_ms_stats"]["median"]
                 row["kv_ratio_vs_fp"] = row["kv_bytes"] / fp["kv_bytes"]
+            _ratio_vs_mlx(row, rows, "decode_ms_stats", "decode_ratio_vs_mlx")
             st = row["decode_ms_stats"]
             _log(progress, f"bench: ctx {n} {row['cache']}: decode {st['median']:.2f} ms/token "
                            f"(p10 {st['p10']:.2f}, p90 {st['p90']:.2f}), KV {row['kv_bytes'] / 2**20:.1f} MiB")
         records.extend(rows)
     return records
+
+
+def _ratio_vs_mlx(row: dict, rows: list[dict], stats: str, name: str) -> None:
+    """An OIQ row's median over the mlx-lm quantized row of the same bits, measured alongside."""
+    mlx = next((r for r in rows if r["kind"] == "mlx" and r["bits"] == row["bits"]), None)
+    if row["kind"] == "oiq" and mlx is not None:
+        row[name] = row[stats]["median"] / mlx[stats]["median"]
+
+
+def dispatch_counts(specs, *, n_q_heads: int = 32, n_kv_heads: int = 8, head_dim: int = 128, context: int = 2048,
+                    steps: int = 32, kernels=(False, True)) -> list[dict]:
+    """Dispatches per layer per decode step of each configuration (``oiq_mlx.trace``): the
+    reference path, and for OIQ the path with the Metal kernels selected (counted off a Mac)."""
+    out = []
+    for spec in specs:
+        for k in kernels if spec.kind == "oiq" else (False,):
+            r = trace.decode_dispatches(
+                spec.make_layer_cache,
+                lambda c, fetched, q, spec=spec: _attention_call(spec, c, fetched, q, head_dim ** -0.5),
+                context=context, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, steps=steps,
+                kernels=k)
+            out.append({"cache": spec.name, "kind": spec.kind, "path": "metal kernels" if k else "reference",
+                        "context": context, **{f: r[f] for f in ("min", "max", "mean", "breakdown")}})
+    return out
+
+
+def dispatch_table(records: list[dict]) -> str:
+    lines = ["| cache | path | dispatches per layer per decode step (steady) | costliest step | mean |",
+             "|---|---|---:|---:|---:|"]
+    for r in records:
+        lines.append(f"| {r['cache']} | {r['path']} | {r['min']} | {r['max']} | {r['mean']:.2f} |")
+    return "\n".join(lines)
 
 
 def _offset(cache) -> int:
@@ -471,6 +505,7 @@ def run_attention(
             row["gb_per_s"] = med_bytes / (row["attention_ms_stats"]["median"] * 1e-3) / 1e9
         fp = next((r for r in rows if r["kind"] == "fp"), None)
         for row in rows:
+            _ratio_vs_mlx(row, rows, "append_ms_stats", "append_ratio_vs_mlx")
             if fp is not None:
                 row["attention_ratio_vs_fp"] = row["attention_ms_stats"]["median"] / fp["attention_ms_stats"]["median"]
             _log(progress, f"bench: attention ctx {n} {row['cache']}: append {row['append_ms_stats']['median']:.3f} ms, "
@@ -489,12 +524,13 @@ def _mib(b) -> str:
 
 def model_table(records: list[dict]) -> str:
     lines = [
-        "| context | cache | prefill s | decode ms/token median (p10-p90) | decode vs fp | KV MiB | KV vs fp | prefill peak MiB | decode peak MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| context | cache | prefill s | decode ms/token median (p10-p90) | decode vs fp | vs mlx-lm same bits | KV MiB | KV vs fp | prefill peak MiB | decode peak MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         s = r["decode_ms_stats"]
         ratio = f"{r['decode_ratio_vs_fp']:.2f}x" if "decode_ratio_vs_fp" in r else "-"
+        ratio += f" | {r['decode_ratio_vs_mlx']:.2f}x" if "decode_ratio_vs_mlx" in r else " | -"
         kvr = f"{r['kv_ratio_vs_fp']:.3f}" if "kv_ratio_vs_fp" in r else "-"
         name = r["cache"] + (f" ({r['kv_dtype']})" if r["kind"] == "fp" and r.get("kv_dtype") else "")
         lines.append(
@@ -506,14 +542,15 @@ def model_table(records: list[dict]) -> str:
 
 def attention_table(records: list[dict]) -> str:
     lines = [
-        "| context | cache | append ms (p10-p90) | attention ms (p10-p90) | vs fp | bytes read/step | GB/s |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| context | cache | append ms (p10-p90) | append vs mlx-lm same bits | attention ms (p10-p90) | vs fp | bytes read/step | GB/s |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in records:
         a, t = r["append_ms_stats"], r["attention_ms_stats"]
         ratio = f"{r['attention_ratio_vs_fp']:.2f}x" if "attention_ratio_vs_fp" in r else "-"
+        append_ratio = f"{r['append_ratio_vs_mlx']:.2f}x" if "append_ratio_vs_mlx" in r else "-"
         lines.append(
-            f"| {r['context']} | {r['cache']} | {a['median']:.3f} ({a['p10']:.3f}-{a['p90']:.3f}) | "
+            f"| {r['context']} | {r['cache']} | {a['median']:.3f} ({a['p10']:.3f}-{a['p90']:.3f}) | {append_ratio} | "
             f"{t['median']:.3f} ({t['p10']:.3f}-{t['p90']:.3f}) | {ratio} | {_mib(r['bytes_read_per_step'])} MiB | {r['gb_per_s']:.2f} |"
         )
     return "\n".join(lines)

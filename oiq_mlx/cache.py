@@ -3,15 +3,21 @@
 Token positions of one layer fall into three segments, in temporal order:
 
 * ``[0, S)``: sink tokens, full precision (``sink_tokens``);
-* ``[S, q_end)``: packed codes + float16 group scales (DESIGN section 3);
-* ``[q_end, offset)``: the recent window, full precision (``window``, and
-  everything while ``offset <= quantize_after``).
+* ``[S, q_end)``: packed codes + float16 group scales of the rotated vectors
+  (DESIGN.md section 3);
+* ``[q_end, offset)``: the recent window, full precision (``window`` to
+  ``window + block - 1`` tokens, see :meth:`OIQKVCache.packed_end`; everything
+  while ``offset <= quantize_after``).
 
-Every segment is stored *rotated* (and, with centering, minus the layer's
-rotated mean), so attention works in one domain: the query is rotated once,
-the output un-rotated once (``attention.py``).  The full-precision buffer also
-keeps ``trim_reserve`` tokens that were already quantized, so ``trim`` of up to
-that many tokens restores the exact state a cache that never saw them has.
+The full-precision segments hold the vectors as the model gave them, minus the
+side's mean (with centering), in the model dtype: not rotated, so a decode step
+appends like mlx-lm's ``KVCache`` and only rows that get packed are rotated, in
+one quantize pass per block (DESIGN.md section 13).  Attention scores the window
+with the query as given and the packed segment with the rotated query, and
+un-rotates only the packed segment's share of the output (``attention.py``).
+The full-precision buffer also keeps ``trim_reserve`` tokens (rounded up to
+whole blocks) that were already quantized, so ``trim`` of up to that many
+tokens restores the exact state a cache that never saw them has.
 Attention reads :meth:`OIQKVCache.attention_segments`, in which the tokens of
 the current ``update_and_fetch`` are full precision even when the call (a
 prompt longer than the window) already quantized them.
@@ -32,6 +38,7 @@ would cost a pass over the cache every prefill step (mlx-lm evaluates
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 
@@ -82,8 +89,16 @@ def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, batch_heads
     return new
 
 
-class _Side:
-    """Storage of one side (keys or values) of one layer."""
+class SideStorage:
+    """Storage of one side (keys or values) of one layer: ``cache.k`` and ``cache.v``.
+
+    Public for the modules that read a cache (attention, evaluation, benchmarks):
+    ``bits``, ``dim`` / ``head_dim``, ``signs``, ``rotated``, ``mean`` (``m``,
+    un-rotated, or None), ``lam`` (key scales or None), ``codes`` / ``scales``
+    (packed segment, capacity-sized), ``sink`` / ``recent`` (full precision,
+    ``x - m``), and the domain maps :meth:`packed_to_window` /
+    :meth:`window_to_packed`.  Only the cache writes them.
+    """
 
     def __init__(self, bits: int, group_size: int, clip: bool, center: bool, scale_power: float = 0.0):
         self.bits, self.group_size, self.clip, self.center = bits, group_size, clip, center
@@ -104,31 +119,29 @@ class _Side:
     def unrotate(self, y: mx.array) -> mx.array:
         return unrotate(y, self.signs) if self.rotated else y.astype(mx.float32)
 
+    def packed_to_window(self, y: mx.array) -> mx.array:
+        """Dequantized packed vectors (rotated domain, float32) in the window's domain
+        (centered, un-rotated): ``unrotate(y) * lam``."""
+        y = self.unrotate(y)
+        return y if self.lam is None else y * self.lam
+
+    def window_to_packed(self, x: mx.array) -> mx.array:
+        """Window rows in the packed segment's domain (float32): ``rotate(x / lam)``."""
+        x = x.astype(mx.float32)
+        return self.rotate(x if self.lam is None else x / self.lam)
+
     @property
     def needs_statistics(self) -> bool:
         """True until the mean / key scales this side uses have been estimated."""
         return (self.center and self.mean is None) or (self.scale_power > 0 and self.lam is None)
 
-    def to_storage(self, x: mx.array, skip: int = 0) -> mx.array:
-        """Pad, center, scale per channel and rotate new vectors ``(B, H, L, d)`` (fp32).
-
-        On the first chunk the per-channel mean ``m`` and scale ``lam`` are
-        estimated, from its tokens past the first ``skip`` (the sink tokens,
-        kept in full precision anyway, whose outlying keys and values would
-        pull the mean away from the tokens that get quantized); every vector
-        is stored as ``r((x - m) / lam)`` and ``mean``
-        holds ``r(m / lam)`` in the same domain, so that a query scaled by
-        ``lam`` and rotated scores ``q . x`` up to the per-query constant
-        ``q . m`` (which softmax ignores).
-        """
-        x = pad_last(x, self.dim).astype(mx.float32)
-        if self.needs_statistics:
-            self._estimate(x[:, :, skip:] if x.shape[2] > skip else x)
-        if self.mean is not None:
-            x = x - (self.unrotate(self.mean) if self.lam is None else self.unrotate(self.mean) * self.lam)
-        if self.lam is not None:
-            x = x / self.lam
-        return self.rotate(x)
+    def estimate(self, x: mx.array, skip: int):
+        """Estimate the statistics on the first chunk ``x`` ``(B, H, L, dim)``, from
+        its tokens past the first ``skip`` (the sink tokens, kept in full precision
+        anyway, whose outlying keys and values would pull the mean away from the
+        tokens that get quantized)."""
+        x = x.astype(mx.float32)
+        self._estimate(x[:, :, skip:] if x.shape[2] > skip else x)
 
     def _estimate(self, ref: mx.array):
         """Mean and key scales of the rows (tokens) of ``ref`` ``(B, H, n, d)``.
@@ -155,12 +168,32 @@ class _Side:
             # channels are never amplified, and magnitudes only decrease
             median = mx.sort(rms, axis=-1)[..., self.dim // 2 : self.dim // 2 + 1] + 1e-6
             self.lam = mx.power(mx.maximum(rms, median) / median, self.scale_power)
-        if m is not None:
-            self.mean = self.rotate(m if self.lam is None else m / self.lam)
+        self.mean = m
 
     def nbytes(self) -> int:
         arrays = (self.codes, self.scales, self.sink, self.recent, self.mean, self.signs, self.lam)
         return sum(a.nbytes for a in arrays if a is not None)
+
+
+@functools.lru_cache(maxsize=None)
+def _center_pair(dtype):
+    """Both sides' new rows minus their means, in ``dtype``, stacked on a new first
+    axis by one elementwise pass (``select`` broadcasts ``[True, False]``)."""
+
+    def center(k, v, mk, mv, select):
+        # k, v come with the new axis already (a view): inside, elementwise only, one fused pass
+        return mx.where(select, k.astype(mx.float32) - mk, v.astype(mx.float32) - mv).astype(dtype)
+
+    return mx.compile(center, shapeless=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _center_one(dtype):
+    return mx.compile(lambda x, m: (x.astype(mx.float32) - m).astype(dtype), shapeless=True)
+
+
+_SELECT_FIRST = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
+_ZERO = mx.array(0.0, mx.float32)
 
 
 class OIQKVCache(_BaseCache):
@@ -174,6 +207,7 @@ class OIQKVCache(_BaseCache):
 
     step = 256
     recent_step = 64
+    flush_block = 16
 
     def __init__(self, config: OIQConfig | None = None, *, layer_idx: int = 0, head_dim: int | None = None):
         self.config = config if config is not None else OIQConfig()
@@ -189,13 +223,14 @@ class OIQKVCache(_BaseCache):
         self.q_end = self.config.sink_tokens
         self.recent_start = self.config.sink_tokens
         self.dtype = None
-        # this call's rotated keys/values in full precision, kept only when some of
+        # this call's keys/values in full precision, kept only when some of
         # them were quantized before attention reads them (see attention_segments)
         self._fresh = None
+        self._stacked = None
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
-        self.k = _Side(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
-        self.v = _Side(v_bits, cfg.group_size, cfg.clip, cfg.center_values)
+        self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
+        self.v = SideStorage(v_bits, cfg.group_size, cfg.clip, cfg.center_values)
 
     # -- writing -----------------------------------------------------------
 
@@ -240,10 +275,8 @@ class OIQKVCache(_BaseCache):
         n_sink = max(0, min(cfg.sink_tokens, start + L) - start)
         if L > n_sink:
             self._reserve_recent(start + L, bh)
-        fresh = []
-        for side, x in ((self.k, keys), (self.v, values)):
-            y = side.to_storage(x, skip=n_sink).astype(self.dtype)
-            fresh.append(y)
+        fresh = self._to_window(keys, values, n_sink)
+        for side, y in zip((self.k, self.v), fresh):
             if n_sink:
                 side.sink = _grow(side.sink, start, start + n_sink, self.step, (side.dim,), self.dtype, bh,
                                   limit=cfg.sink_tokens)
@@ -256,6 +289,24 @@ class OIQKVCache(_BaseCache):
         self._fresh = (start, *fresh) if self.q_end > max(start, cfg.sink_tokens) else None
         return self, self
 
+    def _to_window(self, keys: mx.array, values: mx.array, skip: int):
+        """New keys and values as the window stores them: padded, minus the side's mean
+        (estimated on the first chunk, its first ``skip`` tokens left out), in the
+        cache dtype.  Not rotated: only rows that get packed are (DESIGN.md section 13)."""
+        k, v = self.k, self.v
+        keys, values = pad_last(keys, k.dim), pad_last(values, v.dim)
+        for side, x in ((k, keys), (v, values)):
+            if side.needs_statistics:
+                side.estimate(x, skip)
+        if k.mean is None and v.mean is None:
+            return keys.astype(self.dtype), values.astype(self.dtype)
+        if k.dim == v.dim:
+            both = _center_pair(self.dtype)(keys[None], values[None], _ZERO if k.mean is None else k.mean,
+                                            _ZERO if v.mean is None else v.mean, _SELECT_FIRST)
+            return both[0:1].reshape(both.shape[1:]), both[1:2].reshape(both.shape[1:])
+        return tuple(x.astype(self.dtype) if side.mean is None else _center_one(self.dtype)(x, side.mean)
+                     for side, x in ((k, keys), (v, values)))
+
     def _reserve_recent(self, end: int, bh):
         """Make the full-precision buffers hold positions up to ``end``,
         dropping rows older than the trim reserve when reallocating."""
@@ -265,7 +316,7 @@ class OIQKVCache(_BaseCache):
         self._compact(end, bh)
 
     def _compact(self, end: int, bh):
-        keep_from = max(self.recent_start, self.q_end - self.config.trim_reserve)
+        keep_from = max(self.recent_start, self.q_end - self.reserve)
         drop, used = keep_from - self.recent_start, self.offset - self.recent_start
         cap = -(-(end - keep_from) // self.recent_step) * self.recent_step
         for side in (self.k, self.v):
@@ -275,42 +326,78 @@ class OIQKVCache(_BaseCache):
             side.recent = new
         self.recent_start = keep_from
 
-    def _flush(self, bh):
-        """Quantize tokens that left the full-precision window."""
+    def packed_end(self, offset: int) -> int:
+        """Where the packed segment ends for a cache holding ``offset`` tokens.
+
+        Tokens leave the window in blocks of ``F = min(flush_block, window)`` (at
+        least 1): the window holds between ``window`` and ``window + F - 1`` tokens,
+        and a decode step quantizes nothing except once every ``F`` steps, when
+        one block of ``F`` rows goes through one quantize pass (DESIGN.md section 13).
+        A function of ``offset`` alone, so ``trim`` can restore it.
+        """
         cfg = self.config
-        if self.offset <= cfg.quantize_after:
-            return
-        target = max(cfg.sink_tokens, self.offset - cfg.window)
+        if offset <= cfg.quantize_after:
+            return cfg.sink_tokens
+        block = self.block
+        return cfg.sink_tokens + max(0, offset - cfg.sink_tokens - cfg.window) // block * block
+
+    @property
+    def block(self) -> int:
+        return max(1, min(self.flush_block, self.config.window))
+
+    @property
+    def reserve(self) -> int:
+        """Already packed rows kept in full precision: ``trim_reserve`` rounded up to
+        whole blocks, since trimming one token can move the packed end back a block."""
+        return -(-self.config.trim_reserve // self.block) * self.block
+
+    def _flush(self, bh):
+        """Quantize the block(s) of tokens that left the full-precision window."""
+        target = self.packed_end(self.offset)
         if target <= self.q_end:
             return
+        s = self.config.sink_tokens
         a, b = self.q_end - self.recent_start, target - self.recent_start
-        qa, qb = self.q_end - cfg.sink_tokens, target - cfg.sink_tokens
+        qa, qb = self.q_end - s, target - s
         for side, (codes, scales) in zip((self.k, self.v), self._quantize_rows(a, b)):
             side.codes = _grow(side.codes, qa, qb, self.step, codes.shape[-1:], mx.uint32, bh)
             side.scales = _grow(side.scales, qa, qb, self.step, scales.shape[-1:], mx.float16, bh)
             side.codes[:, :, qa:qb] = codes
             side.scales[:, :, qa:qb] = scales
         self.q_end = target
-        # rows older than the trim reserve are dead: drop them once a step of
+        # rows older than the reserve are dead: drop them once a step of
         # them accumulates, so full-precision capacity stays near window + reserve
-        if self.q_end - cfg.trim_reserve - self.recent_start >= self.recent_step:
+        if self.q_end - self.reserve - self.recent_start >= self.recent_step:
             self._compact(self.offset, bh)
 
     def _quantize_rows(self, a: int, b: int):
         """``(codes, scales)`` of keys and of values for rows ``[a, b)`` of the window buffers.
 
-        At decode one or two rows leave the window per step, where the cost is
-        the number of ops, not the data: keys and values of the same bits and
-        width then go through one quantize call (it works per token and group,
-        so the result is identical) instead of two.
+        Keys and values of the same bits, width and clip go through one quantize
+        pass (it works per token and group, so the result is identical): the
+        cost of a block is the number of passes, not the rows.
         """
         k, v, cfg = self.k, self.v, self.config
+        rotate = cfg.rotation != "none"
         if b - a > _STACK_MAX_ROWS or (k.bits, k.dim, k.clip) != (v.bits, v.dim, v.clip):
-            return [dispatch.quantize(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip) for s in (k, v)]
-        n = k.recent.shape[0]
-        rows = mx.concatenate([k.recent[:, :, a:b], v.recent[:, :, a:b]], axis=0)
-        codes, scales = dispatch.quantize(rows, k.bits, cfg.group_size, clip=k.clip)
-        return [(codes[:n], scales[:n]), (codes[n:], scales[n:])]
+            return [dispatch.quantize_rows(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip,
+                                           lam=s.lam, signs=s.signs, rotate=rotate)
+                    for s in (k, v)]
+        rows = mx.stack([k.recent[:, :, a:b], v.recent[:, :, a:b]])
+        if self._stacked is None:
+            # per-layer constants of the stacked pass, built once (statistics never change after
+            # the first chunk): 2 x (B, H, 1, d) key scales and 2 x d signs
+            lam = None
+            if k.lam is not None or v.lam is not None:
+                ref = k.lam if k.lam is not None else v.lam
+                lam = mx.stack([mx.ones_like(ref) if s.lam is None else s.lam for s in (k, v)])
+            self._stacked = (lam, mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1))
+            mx.eval(self._stacked)
+        lam, signs = self._stacked
+        codes, scales = dispatch.quantize_rows(rows, k.bits, cfg.group_size, clip=k.clip, lam=lam, signs=signs,
+                                               rotate=rotate)
+        return [(codes[i : i + 1].reshape(codes.shape[1:]), scales[i : i + 1].reshape(scales.shape[1:]))
+                for i in range(2)]
 
     # -- reading -----------------------------------------------------------
 
@@ -375,14 +462,11 @@ class OIQKVCache(_BaseCache):
                 if p is None:
                     continue
                 if i == 1:
-                    p = dequantize(*p, bits=side.bits, group_size=self.config.group_size)
+                    p = side.packed_to_window(dequantize(*p, bits=side.bits, group_size=self.config.group_size))
                 chunks.append(p.astype(mx.float32))
             y = mx.concatenate(chunks, axis=2)
             if side.mean is not None:
                 y = y + side.mean
-            y = side.unrotate(y)
-            if side.lam is not None:
-                y = y * side.lam
             out.append(y[..., : side.head_dim])
         return tuple(out)
 
@@ -425,10 +509,7 @@ class OIQKVCache(_BaseCache):
         if self.offset < self.recent_start:
             # every full-precision row is gone: the buffer restarts here
             self.recent_start = max(self.offset, cfg.sink_tokens)
-        if self.offset <= cfg.quantize_after:
-            wanted = cfg.sink_tokens
-        else:
-            wanted = max(cfg.sink_tokens, self.offset - cfg.window)
+        wanted = self.packed_end(self.offset)
         # quantized tokens still held in full precision return to the window
         self.q_end = max(cfg.sink_tokens, min(self.q_end, self.offset, max(wanted, self.recent_start)))
         return n
@@ -520,16 +601,25 @@ class OIQKVCache(_BaseCache):
             # rows past what the counters hold are never read: they are dropped
             side.sink = arrays["sink"][:, :, :n_sink]
             side.recent = arrays["recent"][:, :, :n_rec] if n_rec else None
+            if meta.get("format", 1) < 2:
+                side.mean = None if side.mean is None else side.packed_to_window(side.mean)
+                side.sink = side.packed_to_window(side.sink).astype(self.dtype)
+                if side.recent is not None:
+                    side.recent = side.packed_to_window(side.recent).astype(self.dtype)
             side.codes = arrays["codes"][:, :, :n_q] if n_q else None
             side.scales = arrays["scales"][:, :, :n_q] if n_q else None
 
 
 # -- cache files ------------------------------------------------------------------
 
-# Version of the state layout (the arrays and the metadata fields).  States
-# without "format" were written by oiq_mlx 0.1.0 in the same layout (no digest,
-# the sink buffer saved at its full sink_tokens rows); they are read as format 1.
-FORMAT_VERSION = 1
+# Version of the state layout (the arrays, what they hold, and the metadata
+# fields).  States without "format" were written by oiq_mlx 0.1.0 in the format 1
+# layout (no digest, the sink buffer saved at its full sink_tokens rows).
+FORMAT_VERSION = 2
+# Format 1 (and states without "format", oiq_mlx 0.1.0) stored the full-precision
+# rows rotated, r((x - m) / lam), and the mean as r(m / lam); format 2 stores
+# x - m and m (DESIGN.md section 13).  Older states are converted on load.
+READABLE_FORMATS = (1, 2)
 _ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
 _META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")
 
@@ -567,8 +657,8 @@ def _parse_state(v):
     if not isinstance(meta, dict):
         raise _refuse("metadata", f"must be a JSON object, got {type(meta).__name__}")
     fmt = meta.get("format")
-    if "format" in meta and (isinstance(fmt, bool) or fmt != FORMAT_VERSION):
-        raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads ({FORMAT_VERSION}); "
+    if "format" in meta and (isinstance(fmt, bool) or fmt not in READABLE_FORMATS):
+        raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads {READABLE_FORMATS}; "
                                 "the file was written by another version")
     expected = set(_META_FIELDS) | ({"format", "digest"} if "format" in meta else set())
     # a sharded run's caches also carry the layout they were made on (oiq_mlx.distributed)

@@ -11,7 +11,7 @@ A group of ``g`` values with scale ``s`` stores codes ``c`` in
 abs-max rule ``s = 2 * max|y| / (2**bits - 1)`` the outermost levels hit
 ``+-max|y|`` and every value is within ``s / 2`` of its level.  The mid-tread
 alternative (zero as a level) wastes one code, which at 2 bits leaves three
-levels and breaks the model (DESIGN section 9).
+levels and breaks the model (DESIGN.md section 9).
 
 ``clip=True`` picks, per group, the scale among ``CLIP_RATIOS * absmax`` that
 minimises the group's squared error (values beyond the outer level saturate).
@@ -82,29 +82,22 @@ def bytes_per_token(head_dim: int = 128, bits: int = 4, group_size: int = 32) ->
 
 @functools.lru_cache(maxsize=None)
 def _pack_plan(bits: int):
-    """Index/shift tables (built once per bits) packing 32 codes into ``bits`` words (one chunk).
+    """Shift tables (built once per bits) packing 32 codes into ``bits`` words (one chunk).
 
-    Word ``j`` of a chunk is ``sum_k (c[idx[j,k]] << lsh[j,k]) >> rsh[j,k]``
-    (masked by ``use``): a value either starts in word ``j`` (left shift) or
-    straddles into it from word ``j-1`` (right shift by the bits already
-    written).
+    Word ``j`` of a chunk is ``sum_i ((c[i] << lsh[j,i]) >> rsh[j,i]) * use[j,i]``:
+    value ``i`` either starts in word ``j`` (left shift; bits past 32 fall off
+    and go to the next word) or straddles into it from word ``j-1`` (right
+    shift by the bits already written).  Elementwise plus one sum: no gather.
     """
-    contrib = [[] for _ in range(bits)]
+    lsh = np.zeros((bits, 32), np.uint32)
+    rsh = np.zeros((bits, 32), np.uint32)
+    use = np.zeros((bits, 32), np.uint32)
     for i in range(32):
-        off = i * bits
-        w, sh = divmod(off, 32)
-        contrib[w].append((i, sh, 0))
+        w, sh = divmod(i * bits, 32)
+        lsh[w, i], use[w, i] = sh, 1
         if sh + bits > 32:
-            contrib[w + 1].append((i, 0, 32 - sh))
-    k = max(len(c) for c in contrib)
-    idx = np.zeros((bits, k), np.int32)
-    lsh = np.zeros((bits, k), np.uint32)
-    rsh = np.zeros((bits, k), np.uint32)
-    use = np.zeros((bits, k), np.uint32)
-    for j, c in enumerate(contrib):
-        for n, (i, ls, rs) in enumerate(c):
-            idx[j, n], lsh[j, n], rsh[j, n], use[j, n] = i, ls, rs, 1
-    return tuple(mx.array(a) for a in (idx, lsh, rsh, use))
+            rsh[w + 1, i], use[w + 1, i] = 32 - sh, 1
+    return tuple(mx.array(a) for a in (lsh, rsh, use))
 
 
 @functools.lru_cache(maxsize=None)
@@ -130,10 +123,9 @@ def pack_codes(codes: mx.array, bits: int) -> mx.array:
     d = codes.shape[-1]
     if d % 32:
         raise ValueError(f"can only pack vectors whose length is a multiple of 32, got {d}")
-    idx, lsh, rsh, use = _pack_plan(bits)
-    c = codes.astype(mx.uint32).reshape(*codes.shape[:-1], d // 32, 32)
-    parts = (mx.take(c, idx.reshape(-1), axis=-1).reshape(*c.shape[:-1], *idx.shape) << lsh) >> rsh
-    words = mx.sum(parts * use, axis=-1).astype(mx.uint32)
+    lsh, rsh, use = _pack_plan(bits)
+    c = codes.astype(mx.uint32).reshape(*codes.shape[:-1], d // 32, 1, 32)
+    words = mx.sum(((c << lsh) >> rsh) * use, axis=-1).astype(mx.uint32)
     return words.reshape(*codes.shape[:-1], d * bits // 32)
 
 
@@ -207,7 +199,7 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
         cg = _codes_for_scale(yg[..., None, :], cand[..., None], bits)
         # err overflows only for |y| ~ 1e18 and up, where every candidate is the
         # saturated float16 scale: whichever argmin picks, the scale is the same
-        err = mx.sum(mx.square((cg - half) * cand[..., None] - yg[..., None, :]), axis=-1)
+        err = pairwise_sum(mx.square((cg - half) * cand[..., None] - yg[..., None, :]))
         best = mx.argmin(err, axis=-1, keepdims=True)
         scale = mx.take_along_axis(cand, best, axis=-1)
     else:
@@ -216,6 +208,21 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
     scale = mx.where(finite, scale, mx.nan)
     codes = codes.reshape(*y.shape[:-1], d).astype(mx.uint32)
     return pack_codes(codes, bits), scale.squeeze(-1).astype(mx.float16)
+
+
+def pairwise_sum(e: mx.array) -> mx.array:
+    """Sum over the last axis (a power of two long) as a tree of pairwise adds,
+    neighbours first: ``((e0 + e1) + (e2 + e3)) + ...``.
+
+    The clip search compares errors across candidates, so every implementation
+    (this one, ``mx.compile``'d or not, the Metal kernel's lane-then-simdgroup
+    butterflies) must add in the same order to choose the same scale: an
+    ``mx.sum`` leaves the order to the backend.
+    """
+    while e.shape[-1] > 1:
+        e = e.reshape(*e.shape[:-1], e.shape[-1] // 2, 2)
+        e = e[..., 0] + e[..., 1]
+    return e[..., 0]
 
 
 def _round_scale(s: mx.array) -> mx.array:

@@ -1,5 +1,7 @@
-"""The one place that decides between the fused Metal kernels and the
-reference (plain MLX) path.
+"""The choice between the fused Metal kernels and the reference (plain MLX)
+path for quantize and dequantize (the decode-kernel choice is with attention,
+``attention.decode_attention_kernel``); depends only on codec, rotation and
+the kernels.
 
 Kernels are used when Metal is available, the default device is the GPU,
 the shape is one the kernels serve, and ``OIQ_MLX_FORCE_REFERENCE`` is not
@@ -9,21 +11,23 @@ attention within float32 rounding).
 
 Kernels serve head (storage) dimensions 32, 64, 128 and 256; other sizes
 (80, 96, 112, 160, 192, ... whose rotation is not a plain power-of-two
-Walsh-Hadamard transform) always take the reference path, as does
-``clip=True`` quantization.
+Walsh-Hadamard transform) always take the reference path.  The rows a cache
+packs go through :func:`quantize_rows` (one fused kernel, ``clip=True``
+included); the plain :func:`quantize` kernel does not serve ``clip=True``.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import mlx.core as mx
 
 from . import codec, rotation
 from .kernels._source import SUPPORTED_DIMS
-
-# queries per step up to which attention takes the decode path (kernel or reference)
-DECODE_MAX_QUERIES = 8
+from .kernels.dequantize import dequantize as kernel_dequantize
+from .kernels.quantize import quantize as kernel_quantize
+from .kernels.quantize import quantize_rows as kernel_quantize_rows
 
 
 def kernels_enabled() -> bool:
@@ -32,7 +36,7 @@ def kernels_enabled() -> bool:
     return mx.metal.is_available() and mx.default_device() == mx.gpu
 
 
-def _codec_shape_ok(dim: int, bits: int, group_size: int) -> bool:
+def codec_shape_ok(dim: int, bits: int, group_size: int) -> bool:
     return (
         dim in SUPPORTED_DIMS
         and bits in codec.SUPPORTED_BITS
@@ -55,13 +59,11 @@ def quantize_kernel(x: mx.array, bits: int, group_size: int, *, signs=None, clip
     """
     if not kernels_enabled() or clip or not isinstance(x, mx.array) or x.ndim < 1 or x.size == 0:
         return None
-    if not mx.issubdtype(x.dtype, mx.floating) or not _codec_shape_ok(x.shape[-1], bits, group_size):
+    if not mx.issubdtype(x.dtype, mx.floating) or not codec_shape_ok(x.shape[-1], bits, group_size):
         return None
     if not _signs_ok(signs, x.shape[-1]):
         return None
-    from .kernels.quantize import quantize
-
-    return quantize(x, bits=bits, group_size=group_size, signs=signs)
+    return kernel_quantize(x, bits=bits, group_size=group_size, signs=signs)
 
 
 def quantize(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool = False):
@@ -71,6 +73,44 @@ def quantize(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool 
     if out is not None:
         return out
     return codec.quantize(rotation.rotate(x, signs) if signs is not None else x, bits, group_size, clip=clip)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_quantize(bits: int, group_size: int, clip: bool):
+    return mx.compile(functools.partial(codec.quantize, bits=bits, group_size=group_size, clip=clip))
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _to_packed_domain(x, lam, signs):
+    return x.astype(mx.float32) / lam * signs
+
+
+_ONE = mx.array(1.0, mx.float32)
+
+
+def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | None, signs: mx.array,
+                  rotate: bool = True, clip: bool = False):
+    """Codes and scales of window rows entering the packed segment of a cache: one fused
+    kernel (key scaling, sign flip, Walsh-Hadamard, abs-max or clip search, rounding,
+    packing) when one serves the call, else the reference.
+
+    Equals ``codec.quantize(rotation.rotate(x.astype(float32) / lam, signs), bits, group_size,
+    clip=clip)`` (``codec.quantize(x / lam * signs, ...)`` with ``rotate`` False), codes and
+    scales bit-exact.
+
+    Args:
+        x: ``(..., n, d)`` rows as the window holds them (centered, model dtype).
+        lam: key scales, float32, broadcastable to ``x`` with size 1 on the row axis, or None.
+        signs: the rotation signs, float32, broadcastable the same way.
+    """
+    if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
+            and codec_shape_ok(x.shape[-1], bits, group_size)):
+        return kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
+                                    clip=clip)
+    y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
+    if rotate:
+        y = rotation.hadamard(y)
+    return _compiled_quantize(bits, group_size, clip)(y)
 
 
 # -- dequantize -----------------------------------------------------------------
@@ -88,15 +128,13 @@ def dequantize_kernel(codes: mx.array, scales: mx.array, bits: int, group_size: 
     if codes.ndim < 1 or codes.size == 0 or bits not in codec.SUPPORTED_BITS:
         return None
     dim = codes.shape[-1] * 32 // bits
-    if codes.shape[-1] * 32 % bits or not _codec_shape_ok(dim, bits, group_size) or not _signs_ok(signs, dim):
+    if codes.shape[-1] * 32 % bits or not codec_shape_ok(dim, bits, group_size) or not _signs_ok(signs, dim):
         return None
     if scales.shape != (*codes.shape[:-1], dim // group_size):
         return None
     if dtype not in (mx.float16, mx.bfloat16, mx.float32):
         return None
-    from .kernels.dequantize import dequantize
-
-    return dequantize(codes, scales, bits=bits, group_size=group_size, dtype=dtype, signs=signs)
+    return kernel_dequantize(codes, scales, bits=bits, group_size=group_size, dtype=dtype, signs=signs)
 
 
 def dequantize(codes: mx.array, scales: mx.array, bits: int, group_size: int, *, dtype=mx.float32, signs=None):
@@ -107,66 +145,3 @@ def dequantize(codes: mx.array, scales: mx.array, bits: int, group_size: int, *,
         return out
     y = codec.dequantize(codes, scales, bits, group_size, dtype=mx.float32 if signs is not None else dtype)
     return rotation.unrotate(y, signs).astype(dtype) if signs is not None else y
-
-
-# -- decode attention -----------------------------------------------------------
-
-
-def _mask_ok(mask, shape) -> bool:
-    if mask is None or (isinstance(mask, str) and mask == "causal"):
-        return True
-    if not isinstance(mask, mx.array):
-        return False
-    try:
-        mx.broadcast_shapes(mask.shape, shape)
-    except ValueError:
-        return False
-    return mask.ndim <= 4
-
-
-def decode_attention_kernel(cache, q_rotated: mx.array, mask, sinks, *, unrotate: bool = False, segments=None):
-    """Fused decode attention over ``cache`` when a kernel serves this call, else None
-    (the caller runs the reference path).
-
-    Args:
-        cache: an OIQKVCache holding at least one token.
-        q_rotated: ``(B, n_q, L, k_dim)`` float32 queries, rotated with the key signs and
-            multiplied by the softmax scale; L <= 8.
-        mask, sinks: as for ``attention.oiq_attention``.
-        segments: what to attend to (default ``cache.attention_segments()``).
-        unrotate: False: return the rotated (centered) output, what
-            ``attention._decode_reference`` returns.  True: return the final output, value
-            mean added and un-rotated (``v.unrotate(ref + mean)``), still
-            ``v.dim`` wide (slice to ``v.head_dim``).
-
-    Returns:
-        ``(B, n_q, L, v.dim)`` float32, or None.
-    """
-    if not kernels_enabled() or not isinstance(q_rotated, mx.array) or q_rotated.ndim != 4:
-        return None
-    k, v, cfg = cache.k, cache.v, cache.config
-    B, n_q, L, dq = q_rotated.shape
-    if cache.offset == 0 or L > DECODE_MAX_QUERIES or dq != k.dim:
-        return None
-    if k.dim != v.dim or not _codec_shape_ok(k.dim, k.bits, cfg.group_size) \
-            or not _codec_shape_ok(v.dim, v.bits, cfg.group_size):
-        return None
-    n_kv = k.sink.shape[1]
-    if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, cache.offset)):
-        return None
-    if isinstance(mask, str) and L > 1 and cache.offset < L:
-        return None
-    if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
-        return None
-    from .kernels.decode_attention import decode_attention
-
-    if sinks is not None and k.mean is not None:
-        # centered keys shift every score by -q.mean; the sink logit must follow
-        qg = q_rotated.reshape(B, n_kv, n_q // n_kv, L, dq)
-        shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
-        sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
-    return decode_attention(
-        q_rotated, segments=cache.attention_segments() if segments is None else segments, k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size,
-        mask=mask, sinks=sinks,
-        v_mean=v.mean if unrotate else None, v_signs=v.signs if unrotate and v.rotated else None,
-    )

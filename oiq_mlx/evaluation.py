@@ -1,7 +1,7 @@
 """Quality evaluation of KV caches on a real model.
 
 Four measurements, each against mlx-lm's plain ``KVCache`` at the model's dtype
-(the "fp" reference; on the CPU backend the GGUF loader gives fp32, DESIGN 7):
+(the "fp" reference; on the CPU backend the GGUF loader gives fp32, DESIGN.md section 7):
 
 * :func:`perplexity_eval`: a prompt of ``prompt_len`` tokens is prefilled
   through the cache under test, then continuation chunks are scored through

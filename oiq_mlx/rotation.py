@@ -155,6 +155,17 @@ def _blocked_hadamard(x: mx.array, block: int, transpose: bool) -> mx.array:
     return yb.reshape(shape)
 
 
+def hadamard(x: mx.array, transpose: bool = False) -> mx.array:
+    """The orthonormal (block) Hadamard transform of :func:`rotate` on the last
+    axis, without the sign flip (``transpose``: its inverse); float32 in and out.
+
+    ``rotate(x, s) == hadamard(x * s)`` and ``unrotate(y, s) == hadamard(y, True) * s``
+    with the same operations, so callers that fold the sign flip into another
+    elementwise step (a compiled one) get bit-identical results.
+    """
+    return _blocked_hadamard(x, hadamard_block_size(x.shape[-1]), transpose)
+
+
 def rotate(x: mx.array, signs: mx.array) -> mx.array:
     """Rotate head vectors: ``H (signs * x) / sqrt(b)`` on the last axis.
 

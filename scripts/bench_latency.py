@@ -102,6 +102,11 @@ def main(argv=None) -> int:
         print(f"## Attention only: one layer, B=1, {hq} query heads, {hkv} KV heads, d={d}, "
               f"backend {result['environment']['backend']}\n")
         print(bench.attention_table(result["attention_runs"]) + "\n", flush=True)
+    hq, hkv, d = (int(x) for x in args.attn_shape.split(","))
+    result["dispatch_counts"] = bench.dispatch_counts(specs, n_q_heads=hq, n_kv_heads=hkv, head_dim=d)
+    print(f"## Dispatches per layer per decode step: one layer, B=1, {hq} query heads, {hkv} KV heads, d={d}, "
+          "2048 tokens, 32 steps (oiq_mlx.trace; views not counted; Metal kernels counted off a Mac)\n")
+    print(bench.dispatch_table(result["dispatch_counts"]) + "\n", flush=True)
     bench.save_json(result, args.json)
     print(f"bench: wrote {args.json}", file=sys.stderr)
     if not args.no_plots:

@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.models import llama
 
 from oiq_mlx import benchmark as bench
+from oiq_mlx.cache import OIQKVCache
 from oiq_mlx.config import OIQConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,7 +141,7 @@ def test_attention_mode():
         assert by[(n, "fp")]["bytes_read"][-1] == 2 * 2 * T * 64 * 4
         assert by[(n, "mlx-q4")]["bytes_read"][-1] == 2 * 2 * T * (64 * 4 // 8 + 2 * 4)
         cfg = OIQConfig()
-        n_q = max(0, T - cfg.window - cfg.sink_tokens)
+        n_q = OIQKVCache(cfg).packed_end(T) - cfg.sink_tokens  # whole blocks past sinks + window
         fp_rows = T - n_q
         expected = 2 * n_q * 2 * oiq_bytes_per_token(64, 4, 32) + 2 * 2 * fp_rows * 64 * 4
         assert by[(n, "oiq-4bit")]["bytes_read"][-1] == expected

@@ -155,15 +155,19 @@ def test_centering_helps_offset_keys():
     assert errs[True] < 0.1 * errs[False]
 
 
-def test_decode_and_prefill_paths_agree():
-    cfg = OIQConfig(k_bits=4, v_bits=4)
-    cache = OIQKVCache(cfg)
-    k = mx.random.normal((1, 2, 100, 64))
-    cache.update_and_fetch(k, k)
+@pytest.mark.parametrize("preset", ["4bit", "2bit"])
+def test_decode_and_prefill_paths_agree(preset, monkeypatch):
+    cache = OIQKVCache(OIQConfig.preset(preset))
+    k = mx.random.normal((1, 2, 200, 64))
+    cache.update_and_fetch(k, k + 0.5)
+    cache.release_fresh()
+    assert cache.k.codes is not None
     for L in (1, 4, 8):
         q = mx.random.normal((1, 6, L, 64))
-        dec = attention._decode_reference(q, cache, "causal", None)
-        pre = attention._prefill_reference(q, cache, "causal", None)
+        dec = oiq_attention(q, cache, 0.125, "causal")
+        with monkeypatch.context() as m:
+            m.setattr(attention, "DECODE_MAX_QUERIES", 0)
+            pre = oiq_attention(q, cache, 0.125, "causal")
         assert float(mx.abs(dec - pre).max()) < 1e-4
 
 

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from oiq_mlx.cache import FORMAT_VERSION, OIQKVCache, _digest
 from oiq_mlx.config import OIQConfig
 from oiq_mlx.integration import make_oiq_cache
+from oiq_mlx.rotation import rotate
 
 # every array present (key mean and scales, value mean), clipped scales, layer 1 at other bits
 CFG = OIQConfig(k_bits=3, v_bits=4, sink_tokens=3, window=6, trim_reserve=4, center_values=True, clip=True,
@@ -223,17 +224,40 @@ def test_every_metadata_edit_is_refused_naming_the_field(saved, tmp_path, layer)
                                                                  metadata))
 
 
+def _as_format_1(arrays, layer, meta):
+    """The arrays of one layer as format 1 (oiq_mlx 0.1.0) stored them: full-precision
+    rows r((x - m) / lam) and the mean r(m / lam), where format 2 stores x - m and m."""
+    out = dict(arrays)
+    for side in (0, 1):
+        signs, lam = (arrays.get(f"{layer}.{_array_index(n, side)}") for n in ("signs", "lam"))
+        lam = lam if lam is not None and lam.size else None
+        for name in ("sink", "recent", "mean"):
+            key = f"{layer}.{_array_index(name, side)}"
+            if key in arrays and arrays[key].size:
+                x = arrays[key].astype(mx.float32)
+                out[key] = rotate(x if lam is None else x / lam, signs).astype(arrays[key].dtype)
+    return _with_meta(out, meta, layer)
+
+
 def test_unmodified_and_legacy_files_load(saved, tmp_path):
-    """The saved file reproduces the cache it came from; a file written by oiq_mlx
-    0.1.0 (no format, no digest, the sink buffer at its full sink_tokens rows) loads
-    and gives the same results."""
+    """The saved file reproduces the cache it came from; files written by oiq_mlx
+    0.1.0 (no format, no digest, the sink buffer at its full sink_tokens rows, rows
+    stored rotated) and in format 1 (rotated rows, with a digest) load, converted,
+    and give the same results up to the rotation's float round trip."""
     model, path, arrays, metadata, reference = saved
     assert _load_and_compare(saved, path) is None
-    legacy = dict(arrays)
+    legacy, format_1 = dict(arrays), dict(arrays)
     for layer in (0, 1):
-        meta = {k: v for k, v in _meta(arrays, layer).items() if k not in ("format", "digest")}
-        legacy = _with_meta(legacy, meta, layer)
-    assert _load_and_compare(saved, _write(tmp_path, legacy, metadata)) is None
+        meta = _meta(arrays, layer)
+        legacy = _as_format_1(legacy, layer, {k: v for k, v in meta.items() if k not in ("format", "digest")})
+        format_1 = _as_format_1(format_1, layer, {**meta, "format": 1, "digest": _digest({**meta, "format": 1})})
+    for converted in (legacy, format_1):
+        got = _continue(model, load_prompt_cache(_write(tmp_path, converted, metadata)))
+        for a, b in zip(got, reference):
+            assert mx.allclose(a, b, atol=1e-4), float(mx.abs(a - b).max())
+    # the same arrays read as format 2 are another cache: the format field is what tells them apart
+    got = _continue(model, load_prompt_cache(_write(tmp_path, _with_meta(legacy, _meta(arrays, 0), 0), metadata)))
+    assert not all(mx.allclose(a, b, atol=1e-4) for a, b in zip(got, reference))
 
 
 def test_truncated_file_is_refused(saved, tmp_path):

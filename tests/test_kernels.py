@@ -31,6 +31,7 @@ from oiq_mlx.kernels.instantiations import DTYPES as KERNEL_DTYPES
 from oiq_mlx.kernels.instantiations import MASK_MODES, QUERY_ROWS, codec_params, production_instantiations
 from oiq_mlx.kernels.dequantize import dequantize as kernel_dequantize
 from oiq_mlx.kernels.quantize import quantize as kernel_quantize
+from oiq_mlx.kernels.quantize import quantize_rows as kernel_quantize_rows
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
@@ -90,6 +91,67 @@ def test_quantize_bit_exact(metal_emulator, d, bits, group_size, dtype):
     want_codes, want_scales = ref_quantize(x, signs, bits, group_size)
     _assert_bit_exact(codes, want_codes, "codes")
     _assert_bit_exact(scales, want_scales, "scales")
+
+
+def _spec_rows(x, lam, signs, bits, group_size, clip):
+    """The specification of a packed row: codec.quantize(rotate(x / lam, signs), clip=clip)."""
+    y = x.astype(mx.float32)
+    return codec.quantize(rotation.rotate(y if lam is None else y / lam, signs), bits, group_size, clip=clip)
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
+@pytest.mark.parametrize("d, dtype", [(64, mx.float16), (128, mx.bfloat16), (32, mx.float32), (256, mx.float16)])
+def test_fused_quantize_rows_bit_exact(metal_emulator, preset, d, dtype):
+    """The production packing pass (key scales, per-side signs, Walsh-Hadamard, abs-max or the
+    MSE clip search, rounding, packing) in one kernel, keys and values stacked as the cache
+    stacks them: codes and scales bit-exact against the reference codec for every preset."""
+    cfg = OIQConfig.preset(preset)
+    B, H, n = 1, 3, 16
+    k = _heavy_tailed((B, H, n, d), dtype, seed=d)
+    v = mx.random.normal((B, H, n, d), key=mx.random.key(d)).astype(dtype)
+    lam = 1.0 + mx.abs(mx.random.normal((B, H, 1, d), key=mx.random.key(3))) ** 2
+    ks, vs = rotation.random_signs(1, d), rotation.random_signs(2, d)
+    codes, scales = kernel_quantize_rows(mx.stack([k, v]), bits=cfg.k_bits, group_size=cfg.group_size,
+                                         clip=cfg.clip, lam=mx.stack([lam, mx.ones_like(lam)]),
+                                         signs=mx.stack([ks, vs]).reshape(2, 1, 1, 1, d), rotate=True)
+    for i, (x, l_, s_) in enumerate(((k, lam, ks), (v, None, vs))):
+        want_codes, want_scales = _spec_rows(x, l_, s_, cfg.k_bits, cfg.group_size, cfg.clip)
+        _assert_bit_exact(codes[i], want_codes, f"codes side {i}")
+        _assert_bit_exact(scales[i], want_scales, f"scales side {i}")
+
+
+@pytest.mark.parametrize("bits, group_size", [(2, 32), (3, 64), (4, 128), (8, 32), (5, 32), (6, 64)])
+def test_fused_clip_search_bit_exact_and_non_finite(metal_emulator, bits, group_size):
+    """The clip search alone (no rotation, no key scales), with ties, zeros, huge and non-finite
+    groups: the candidate order and the error summation order match codec.quantize."""
+    y = _heavy_tailed((7, 128), mx.float32, seed=bits)
+    y[0, :64] = 0.0
+    y[1, 3] = mx.nan
+    y[2, 40] = mx.inf
+    y[3, :] = 1e30
+    y[4, :32] = mx.array([1.0, -1.0] * 16)  # equal errors for several candidates
+    codes, scales = kernel_quantize_rows(y, bits=bits, group_size=group_size, lam=None, signs=mx.ones((128,)),
+                                         rotate=False, clip=True)
+    want_codes, want_scales = codec.quantize(y, bits, group_size, clip=True)
+    _assert_bit_exact(codes, want_codes, "codes")
+    _assert_bit_exact(scales, want_scales, "scales")
+
+
+def test_cache_packs_through_the_fused_kernel(kernels_on):
+    """With the kernels selected, a cache's packed rows come from one kernel call per block
+    (keys and values together) and equal the reference path's."""
+    cfg = OIQConfig.preset("3bit")
+    x = _heavy_tailed((1, 2, 120, 64), mx.float16, seed=8)
+    fused, reference = OIQKVCache(cfg), OIQKVCache(cfg)
+    kernels_on.clear()
+    fused.update_and_fetch(x, x + 1)
+    assert len(kernels_on) == 1
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dispatch, "kernels_enabled", lambda: False)
+        reference.update_and_fetch(x, x + 1)
+    for a, b in ((fused.k, reference.k), (fused.v, reference.v)):
+        _assert_bit_exact(a.codes[:, :, : fused.q_end - 4], b.codes[:, :, : fused.q_end - 4], "codes")
+        _assert_bit_exact(a.scales[:, :, : fused.q_end - 4], b.scales[:, :, : fused.q_end - 4], "scales")
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 255, 257])
@@ -178,9 +240,14 @@ def _filled_cache(cfg, *, B=1, n_kv=2, d=128, T=200, L=1, dtype=mx.float16, seed
     return cache
 
 
-def _rotated_queries(cache, B, n_q, L, d, seed=9):
-    q = mx.random.normal((B, n_q, L, d), key=mx.random.key(seed))
-    return rotation.rotate(q * d ** -0.5, cache.k.signs)
+def _queries(cache, B, n_q, L, d, seed=9):
+    """Queries as the model gives them, in the cache dtype, as a transposed view (the layout
+    of mlx-lm's attention: (B, L, H, d) swapped to (B, H, L, d))."""
+    q = mx.random.normal((B, L, n_q, d), key=mx.random.key(seed)).astype(cache.dtype)
+    return q.swapaxes(1, 2)
+
+
+SCALE = {d: d ** -0.5 for d in (32, 64, 96, 128, 256)}
 
 
 def _full_mask(mask, B, n_q, L, T):
@@ -194,24 +261,35 @@ def _full_mask(mask, B, n_q, L, T):
     return np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64)
 
 
+def _reference(q, cache, mask, sinks, segments):
+    """The reference path of attention.oiq_attention over ``segments``, float32."""
+    return attention.reference_output(q, cache, SCALE[q.shape[-1]], mask, sinks, segments)
+
+
 def truth_attention(q, cache, mask, sinks, segments=None):
-    """float64 attention over exactly the stored (dequantized) rotated values."""
+    """float64 attention of the queries over exactly what ``segments`` hold (dequantized, back
+    in the model's domain: un-rotated, key scales and means added back)."""
     sink_k, sink_v, quant, recent_k, recent_v = cache.segments() if segments is None else segments
-    gs = cache.config.group_size
+    k, v, gs = cache.k, cache.v, cache.config.group_size
     ks, vs = [], []
     if sink_k is not None:
         ks.append(sink_k), vs.append(sink_v)
     if quant is not None:
-        ks.append(codec.dequantize(*quant[:2], cache.k.bits, gs))
-        vs.append(codec.dequantize(*quant[2:], cache.v.bits, gs))
+        ks.append(k.packed_to_window(codec.dequantize(*quant[:2], k.bits, gs)))
+        vs.append(v.packed_to_window(codec.dequantize(*quant[2:], v.bits, gs)))
     if recent_k is not None:
         ks.append(recent_k), vs.append(recent_v)
-    K = np.concatenate([np.array(a.astype(mx.float32)) for a in ks], axis=2).astype(np.float64)
-    V = np.concatenate([np.array(a.astype(mx.float32)) for a in vs], axis=2).astype(np.float64)
-    B, n_q, L, _ = q.shape
+    K, V = (np.concatenate([np.array(a.astype(mx.float32)) for a in x], axis=2).astype(np.float64)
+            for x in (ks, vs))
+    if k.mean is not None:
+        K = K + np.array(k.mean).astype(np.float64)
+    if v.mean is not None:
+        V = V + np.array(v.mean).astype(np.float64)
+    B, n_q, L, d = q.shape
     rep = n_q // K.shape[1]
     K, V = np.repeat(K, rep, axis=1), np.repeat(V, rep, axis=1)
-    s = np.einsum("bhld,bhtd->bhlt", np.array(q).astype(np.float64), K) + _full_mask(mask, B, n_q, L, K.shape[2])
+    s = np.einsum("bhld,bhtd->bhlt", np.array(q.astype(mx.float32)).astype(np.float64), K) * SCALE[d]
+    s = s + _full_mask(mask, B, n_q, L, K.shape[2])
     if sinks is not None:  # (n_q,) or per query row (B, n_q, L)
         sl = np.array(sinks).astype(np.float64)
         sl = np.broadcast_to(sl[None, :, None, None] if sl.ndim == 1 else sl[..., None], (B, n_q, L, 1))
@@ -223,12 +301,21 @@ def truth_attention(q, cache, mask, sinks, segments=None):
     return np.einsum("bhlt,bhtd->bhld", p, V)
 
 
+def _kernel_attention(q, cache, mask=None, sinks=None, keys_per_part=None, segments=None):
+    k, v, cfg = cache.k, cache.v, cache.config
+    return decode_attention(q, scale=SCALE[q.shape[-1]], segments=cache.segments() if segments is None else segments,
+                            k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
+                            k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
+                            v_signs=v.signs if v.rotated else None, keys_per_part_=keys_per_part)
+
+
 def _check_attention(cache, q, mask=None, sinks=None, keys_per_part=None, segments=None):
-    cfg = cache.config
+    """The kernels (query preparation, both domains, merge with un-rotation and value mean)
+    against the reference path, both against float64 attention over what the cache holds.
+    Sinks here are passed as the kernel takes them (callers use center_keys=False)."""
     segments = cache.segments() if segments is None else segments
-    out = decode_attention(q, segments=segments, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
-                           group_size=cfg.group_size, mask=mask, sinks=sinks, keys_per_part_=keys_per_part)
-    ref = attention._decode_reference(q, cache, mask, sinks, segments)
+    out = _kernel_attention(q, cache, mask, sinks, keys_per_part, segments)
+    ref = _reference(q, cache, mask, sinks, segments)
     truth = truth_attention(q, cache, mask, sinks, segments)
     assert out.shape == ref.shape and out.dtype == mx.float32
     err = np.abs(np.array(out) - truth).max()
@@ -254,7 +341,7 @@ def test_decode_attention_matches_reference(metal_emulator, n_kv, rep, L, d, k_b
                                             dtype, mask):
     cfg = OIQConfig(k_bits=k_bits, v_bits=v_bits, group_size=group_size, sink_tokens=4, window=16)
     cache = _filled_cache(cfg, n_kv=n_kv, d=d, T=150, L=L, dtype=dtype, seed=rep)
-    _check_attention(cache, _rotated_queries(cache, 1, n_kv * rep, L, d), mask)
+    _check_attention(cache, _queries(cache, 1, n_kv * rep, L, d), mask)
 
 
 @pytest.mark.parametrize("T, keys_per_part", [(1, None), (3, None), (20, 32), (33, 32), (95, 32), (96, 32),
@@ -264,7 +351,7 @@ def test_decode_attention_context_lengths_and_splits(metal_emulator, T, keys_per
     # boundaries fall inside and on the edges of segments; the automatic split.
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
     cache = _filled_cache(cfg, n_kv=2, d=128, T=T, dtype=mx.float16, seed=T)
-    _check_attention(cache, _rotated_queries(cache, 1, 2, 1, 128), keys_per_part=keys_per_part)
+    _check_attention(cache, _queries(cache, 1, 2, 1, 128), keys_per_part=keys_per_part)
 
 
 def test_decode_attention_quantized_only(metal_emulator):
@@ -272,7 +359,7 @@ def test_decode_attention_quantized_only(metal_emulator):
     cache = _filled_cache(cfg, n_kv=2, d=128, T=77, dtype=mx.float16)
     sink_k, _, quant, recent_k, _ = cache.segments()
     assert sink_k is None and recent_k is None and quant is not None
-    _check_attention(cache, _rotated_queries(cache, 1, 2, 1, 128), keys_per_part=32)
+    _check_attention(cache, _queries(cache, 1, 2, 1, 128), keys_per_part=32)
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
@@ -285,27 +372,43 @@ def test_decode_attention_array_masks(metal_emulator, kind):
     t = mx.arange(T)[None, None, None, :]
     keep = (t >= pad) & (t <= mx.arange(T - L, T)[None, None, :, None])
     mask = keep if kind == "bool" else mx.where(keep, 0.0, -1e9).astype(mx.float16) + 0.25 * (t % 3 == 0)
-    _check_attention(cache, _rotated_queries(cache, B, n_kv * rep, L, 128), mask)
+    _check_attention(cache, _queries(cache, B, n_kv * rep, L, 128), mask)
 
 
 def test_decode_attention_sinks(metal_emulator):
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_keys=False)
     cache = _filled_cache(cfg, n_kv=2, d=128, T=150, dtype=mx.float16)
     sinks = mx.array([0.5, 3.0, -1.0, 8.0, 0.0, 2.0])
-    _check_attention(cache, _rotated_queries(cache, 1, 6, 1, 128), sinks=sinks)
+    _check_attention(cache, _queries(cache, 1, 6, 1, 128), sinks=sinks)
 
 
-def test_dispatch_sinks_with_centered_keys(kernels_on):
+@pytest.mark.parametrize("preset", ["4bit", "2bit"])
+def test_kernel_path_against_float64_truth(kernels_on, monkeypatch, preset):
+    """oiq_attention through the kernels and through the reference path, both against float64
+    attention over what the cache holds (centered keys, key scales, value mean: 2bit)."""
+    cache = _filled_cache(OIQConfig.preset(preset), n_kv=2, d=128, T=150, L=2, dtype=mx.float32)
+    queries = mx.random.normal((1, 6, 2, 128), key=mx.random.key(5))
+    truth = truth_attention(queries, cache, "causal", None)
+    out = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal")
+    monkeypatch.setattr(dispatch, "kernels_enabled", lambda: False)
+    ref = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal")
+    ref_err = np.abs(np.array(ref) - truth).max()
+    assert ref_err < 1e-5
+    assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
+
+
+def test_dispatch_sinks_with_centered_keys(kernels_on, monkeypatch):
     # Centered keys shift every score by -q.mean: the sink logit must be shifted too.
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_keys=True)
-    cache = _filled_cache(cfg, n_kv=2, d=128, T=150, L=2, dtype=mx.float16)
-    q = _rotated_queries(cache, 1, 6, 2, 128)
+    cache = _filled_cache(cfg, n_kv=2, d=128, T=150, L=2, dtype=mx.float32)
+    queries = mx.random.normal((1, 6, 2, 128), key=mx.random.key(5))
     sinks = mx.array([0.5, 3.0, -1.0, 8.0, 0.0, 2.0])
-    out = dispatch.decode_attention_kernel(cache, q, "causal", sinks)
-    shifted = sinks.reshape(1, 6, 1) - mx.sum(
-        q.reshape(1, 2, 3, 2, 128) * mx.expand_dims(cache.k.mean, 2), axis=-1).reshape(1, 6, 2)
-    truth = truth_attention(q, cache, "causal", shifted)
-    ref = attention._decode_reference(q, cache, "causal", sinks)
+    truth = truth_attention(queries, cache, "causal", sinks)
+    kernels_on.clear()
+    out = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal", sinks=sinks)
+    assert len(kernels_on) == 2
+    monkeypatch.setattr(dispatch, "kernels_enabled", lambda: False)
+    ref = attention.oiq_attention(queries, cache, 128 ** -0.5, mask="causal", sinks=sinks)
     ref_err = np.abs(np.array(ref) - truth).max()
     assert ref_err < 1e-5  # the reference shifts the sink logit the same way
     assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
@@ -315,10 +418,10 @@ def test_decode_attention_nan_group_shows(metal_emulator):
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
     cache = _filled_cache(cfg, n_kv=1, d=128, T=100, dtype=mx.float32)
     cache.k.scales[0, 0, 10, 1] = mx.nan
-    q = _rotated_queries(cache, 1, 1, 1, 128)
-    out = decode_attention(q, segments=cache.segments(), k_bits=4, v_bits=4, group_size=32)
+    q = _queries(cache, 1, 1, 1, 128)
+    out = _kernel_attention(q, cache)
     assert np.isnan(np.array(out)).all()
-    assert np.isnan(np.array(attention._decode_reference(q, cache, None, None))).all()
+    assert np.isnan(np.array(_reference(q, cache, None, None, cache.segments()))).all()
 
 
 # ---------------------------------------------------------------- dispatch
@@ -355,8 +458,8 @@ def test_dispatch_reference_without_metal(monkeypatch):
 def test_dispatch_without_metal_returns_none_and_reference():
     cfg = OIQConfig()
     cache = _filled_cache(cfg, T=60)
-    q = _rotated_queries(cache, 1, 2, 1, 128)
-    assert dispatch.decode_attention_kernel(cache, q, None, None) is None
+    q = _queries(cache, 1, 2, 1, 128)
+    assert attention.decode_attention_kernel(cache, q, SCALE[128], None, None) is None
     x = _heavy_tailed((3, 128), mx.float32, seed=0)
     assert dispatch.quantize_kernel(x, 4, 32) is None
     codes, scales = dispatch.quantize(x, 4, 32)
@@ -401,26 +504,23 @@ def test_dispatch_fused_unrotation_with_value_mean(kernels_on, rotation_kind):
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16, center_values=True,
                     rotation=rotation_kind)
     cache = _filled_cache(cfg, n_kv=2, d=64, T=120, dtype=mx.float32)
-    q = _rotated_queries(cache, 1, 4, 1, 64)
-    out = dispatch.decode_attention_kernel(cache, q, None, None, unrotate=True)
-    mean = mx.repeat(cache.v.mean, 2, axis=1)
-    ref = cache.v.unrotate(attention._decode_reference(q, cache, None, None) + mean)
-    m = np.array(rotation.rotation_matrix(cache.v.signs)).astype(np.float64) if cache.v.rotated else np.eye(64)
-    truth = (truth_attention(q, cache, None, None) + np.array(mean)) @ m.T
-    ref_err = np.abs(np.array(ref) - truth).max()
+    q = _queries(cache, 1, 4, 1, 64)
+    out = attention.decode_attention_kernel(cache, q, SCALE[64], None, None)
+    truth = truth_attention(q, cache, None, None)
+    ref_err = np.abs(np.array(_reference(q, cache, None, None, cache.segments())) - truth).max()
     assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 1e-6
 
 
 def test_dispatch_declines_unsupported_attention(kernels_on):
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32)
     cache = _filled_cache(cfg, n_kv=1, d=96, T=50)
-    q = _rotated_queries(cache, 1, 1, 1, 96)
-    assert dispatch.decode_attention_kernel(cache, q, None, None) is None
+    q = _queries(cache, 1, 1, 1, 96)
+    assert attention.decode_attention_kernel(cache, q, SCALE[96], None, None) is None
     assert not kernels_on  # d = 96 is not a power of two: the quantize kernel declined too
     cache = _filled_cache(cfg, n_kv=1, d=64, T=50)
     kernels_on.clear()
-    q = _rotated_queries(cache, 1, 1, 9, 64)
-    assert dispatch.decode_attention_kernel(cache, q, "causal", None) is None
+    q = _queries(cache, 1, 1, 9, 64)
+    assert attention.decode_attention_kernel(cache, q, SCALE[64], "causal", None) is None
     assert not kernels_on
 
 
@@ -446,12 +546,12 @@ def test_short_chat_before_anything_is_packed(kernels_on, preset):
     cfg = OIQConfig.preset(preset)
     cache = _filled_cache(cfg, n_kv=1, d=64, T=12, L=1, dtype=mx.float16)
     assert cache.segments()[2] is None
-    q = _rotated_queries(cache, 1, 3, 1, 64)
+    q = _queries(cache, 1, 3, 1, 64)
     kernels_on.clear()
-    out = dispatch.decode_attention_kernel(cache, q, None, None)
+    out = attention.decode_attention_kernel(cache, q, SCALE[64], None, None)
     assert len(kernels_on) == 2
     truth = truth_attention(q, cache, None, None)
-    ref_err = np.abs(np.array(attention._decode_reference(q, cache, None, None)) - truth).max()
+    ref_err = np.abs(np.array(_reference(q, cache, None, None, cache.segments())) - truth).max()
     assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
 
 
@@ -462,7 +562,7 @@ def test_one_packed_vector_of_one_head_at_2_bits(metal_emulator):
     sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
     one = tuple(a[:, :, :1] for a in quant)
     assert one[0].size < 8 and one[1].size < 8
-    _check_attention(cache, _rotated_queries(cache, 1, 2, 1, 64), segments=(sink_k, sink_v, one, recent_k,
+    _check_attention(cache, _queries(cache, 1, 2, 1, 64), segments=(sink_k, sink_v, one, recent_k,
                                                                              recent_v))
     codes, scales = one[0], one[1]
     out = kernel_dequantize(codes, scales, bits=2, group_size=32)
@@ -474,7 +574,7 @@ def test_head_dim_32(metal_emulator, mask):
     # d = 32: one value per lane, one group per vector (scales of 1 element, codes of d*b/32 words).
     cfg = OIQConfig(k_bits=3, v_bits=2, group_size=32, sink_tokens=4, window=16)
     cache = _filled_cache(cfg, n_kv=2, d=32, T=90, L=2 if mask else 1, dtype=mx.bfloat16)
-    _check_attention(cache, _rotated_queries(cache, 1, 4, 2 if mask else 1, 32), mask)
+    _check_attention(cache, _queries(cache, 1, 4, 2 if mask else 1, 32), mask)
     x = _heavy_tailed((3, 1, 32), mx.float16, seed=5)
     signs = rotation.random_signs(seed=3, dim=32)
     codes, scales = kernel_quantize(x, bits=3, group_size=32, signs=signs)
@@ -510,21 +610,21 @@ def _attention_check(mask=None, L=1, d=128, T=150, n_kv=2):
     def check():
         cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
         cache = _filled_cache(cfg, n_kv=n_kv, d=d, T=T, L=L, dtype=mx.float16)
-        _check_attention(cache, _rotated_queries(cache, 1, 2 * n_kv, L, d), mask)
+        _check_attention(cache, _queries(cache, 1, 2 * n_kv, L, d), mask)
     return check
 
 
 def _short_chat_check():
     cfg = OIQConfig.preset("2bit")
     cache = _filled_cache(cfg, n_kv=1, d=64, T=12, dtype=mx.float16)
-    _check_attention(cache, _rotated_queries(cache, 1, 1, 1, 64))
+    _check_attention(cache, _queries(cache, 1, 1, 1, 64))
 
 
 MUTATIONS = {
     "no threadgroup_barrier": ("quantize.metal", "threadgroup_barrier(mem_flags::mem_threadgroup);", "",
                                _quantize_check()),
-    "simd_max for simd_sum": ("decode_attention.metal", "float s = simd_sum(partial[i]);",
-                              "float s = simd_max(partial[i]);", _attention_check()),
+    "simd_max for simd_sum": ("decode_attention.metal", "score[j][i] = simd_sum(partial[j][i]);",
+                              "score[j][i] = simd_max(partial[j][i]);", _attention_check()),
     "butterfly sign in registers": ("oiq_common.h", "x[j + h] = a - b;", "x[j + h] = b - a;",
                                     _quantize_check(d=128)),
     "butterfly sign across lanes": ("oiq_common.h", "x[e] = upper ? other - x[e] : x[e] + other;",
@@ -532,8 +632,8 @@ MUTATIONS = {
     "pack mask one bit wide": ("oiq_common.h", "uint mask = (1u << bits) - 1u;", "uint mask = (2u << bits) - 1u;",
                                _dequantize_check()),
     "straddling bits dropped": ("quantize.metal", "(v >> uint(-off))", "0u", _quantize_check(bits=3)),
-    "causal mask off by one": ("decode_attention.metal", "s = t <= T - L + qpos[i] ? s : -INFINITY;",
-                               "s = t < T - L + qpos[i] ? s : -INFINITY;", _attention_check("causal", L=3)),
+    "causal mask off by one": ("decode_attention.metal", "s = tj <= T - L + qpos[i] ? s : -INFINITY;",
+                               "s = tj < T - L + qpos[i] ? s : -INFINITY;", _attention_check("causal", L=3)),
     "device pointer in oiq_unpack": ("oiq_common.h", "template <int E, typename P>\nMETAL_FUNC void oiq_unpack(P words",
                                      "template <int E>\nMETAL_FUNC void oiq_unpack(const device uint32_t* words",
                                      _short_chat_check),
@@ -594,26 +694,18 @@ def _sweep_attention(d, dtype, qb):
     k_bits, g = pairs[i % len(pairs)]
     v_bits = codec.SUPPORTED_BITS[(i * 5 + 1) % len(codec.SUPPORTED_BITS)]
     B, n_kv, rep, L = _ROWS[qb]
-    assert query_rows_per_chunk(rep * L) == qb
+    assert query_rows_per_chunk(rep * L, d) == qb
     cfg = OIQConfig(k_bits=k_bits, v_bits=v_bits, group_size=g, sink_tokens=4, window=16,
-                    center_values=i % 2 == 0, center_keys=False)
+                    center_values=i % 2 == 0, center_keys=False, key_scaling=0.5 * (i % 2),
+                    rotation="none" if i % 5 == 4 else "hadamard")
     T = 70
     cache = _filled_cache(cfg, B=B, n_kv=n_kv, d=d, T=T, L=L, dtype=dtype, seed=i)
-    q = _rotated_queries(cache, B, n_kv * rep, L, d, seed=i)
+    q = _queries(cache, B, n_kv * rep, L, d, seed=i)
     t = mx.arange(T)[None, None, None, :]
     keep = t <= mx.arange(T - L, T)[None, None, :, None] - (i % 3)
     mask = [None, "causal", keep, mx.where(keep, 0.0, -1e4).astype(dtype)][i % 4]
     sinks = mx.linspace(-1.0, 2.0, n_kv * rep) if i % 3 == 0 else None
     _check_attention(cache, q, mask, sinks)
-    if cache.v.mean is not None:  # the merge with value mean and un-rotation, as dispatch calls it
-        out = decode_attention(q, segments=cache.segments(), k_bits=k_bits, v_bits=v_bits, group_size=g,
-                               mask=mask, v_mean=cache.v.mean, v_signs=cache.v.signs)
-        mean = mx.repeat(cache.v.mean, rep, axis=1)
-        m = np.array(rotation.rotation_matrix(cache.v.signs)).astype(np.float64)
-        truth = (truth_attention(q, cache, mask, None) + np.array(mean)) @ m.T
-        ref = cache.v.unrotate(attention._decode_reference(q, cache, mask, None) + mean)
-        ref_err = np.abs(np.array(ref) - truth).max()
-        assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
 
 
 _SWEEPS = {"oiq_quantize": _sweep_quantize, "oiq_dequantize": _sweep_dequantize,
@@ -647,6 +739,8 @@ def test_every_production_instantiation_ran():
 
     all_pairs = {(b, g) for d in SUPPORTED_DIMS for b, g in codec_params(d)}
     assert values("oiq_quantize", 0, 1) == all_pairs and values("oiq_quantize", 2) == {(0,), (1,)}
+    assert values("oiq_quantize", 3) == {(0,), (1,)}                                           # clip search
+    assert {r["params"][4] > 0 for r in _launched("oiq_quantize")} == {False, True}          # key scales
     assert values("oiq_dequantize", 0, 1) == all_pairs and values("oiq_dequantize", 2) == {(0,), (1,)}
     att = _launched("oiq_decode_attention")
     assert {(r["params"][8],) for r in att} == {(b,) for b in codec.SUPPORTED_BITS}          # k bits
@@ -658,6 +752,7 @@ def test_every_production_instantiation_ran():
     assert values("oiq_decode_merge", 6) == {(0,), (1,)}                                       # sinks
     assert values("oiq_decode_merge", 7) == {(0,), (1,)}                                       # value mean
     assert values("oiq_decode_merge", 8) == {(0,), (1,)}                                       # un-rotate
+    assert {(r["params"][14], r["params"][15]) for r in att} >= {(0, 1), (1, 1), (0, 0)}     # key scales, rotation
 
 
 def test_resources_of_production_instantiations():

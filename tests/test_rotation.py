@@ -33,7 +33,7 @@ def test_round_trip_and_dot_products(d):
 
 def test_non_symmetric_hadamard_needs_transpose():
     # d = 80 (m = 20): applying the forward transform twice is not the identity,
-    # which is why unrotate uses the transpose (DESIGN section 7).
+    # which is why unrotate uses the transpose (DESIGN.md section 7).
     d = 80
     ones = mx.ones((d,))
     x = mx.random.normal((2, d), key=mx.random.key(0))

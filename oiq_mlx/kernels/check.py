@@ -13,7 +13,7 @@ import time
 
 import mlx.core as mx
 
-from .. import attention, codec, dispatch, rotation
+from .. import attention, codec, rotation
 from ..cache import OIQKVCache
 from ..config import OIQConfig
 from .decode_attention import decode_attention
@@ -62,13 +62,14 @@ def _smoke(kernel: str, template: dict):
     elif kernel == "oiq_decode_attention":
         qb = template["QB"]
         fp = mx.ones((1, 1, 1, d), template["FT"])
-        q = mx.ones((1, qb, 1, d), mx.float32)
-        out = decode_attention(q, segments=(fp, fp, None, None, None), k_bits=2, v_bits=2, group_size=32)
+        q = mx.ones((1, qb, 1, d), template["FT"])
+        out = decode_attention(q, scale=d ** -0.5, segments=(fp, fp, None, None, None), k_bits=2, v_bits=2,
+                               group_size=32)
     elif kernel == "oiq_decode_merge":
         fp = mx.ones((1, 1, 1, d), mx.float32)
-        out = decode_attention(mx.ones((1, 1, 1, d)), segments=(fp, fp, None, None, None), k_bits=2,
-                               v_bits=2, group_size=32, sinks=mx.zeros((1,)), v_mean=mx.zeros((1, 1, 1, d)),
-                               v_signs=rotation.random_signs(0, d))
+        out = decode_attention(mx.ones((1, 1, 1, d)), scale=d ** -0.5, segments=(fp, fp, None, None, None),
+                               k_bits=2, v_bits=2, group_size=32, sinks=mx.zeros((1,)),
+                               v_mean=mx.zeros((1, 1, 1, d)), v_signs=rotation.random_signs(0, d))
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
     mx.eval(out)
@@ -123,16 +124,12 @@ def check_decode(preset: str, d: int, context: int, B: int, dtype, n_kv: int, re
     queries = mx.random.normal((B, n_kv * rep, L, d), key=mx.random.key(3)).astype(dtype)
     mask = "causal" if L > 1 else None
     segs = cache.segments()
-    q = queries.astype(mx.float32) * d ** -0.5
-    if cache.k.lam is not None:  # as attention.oiq_attention prepares the queries
-        q = (q.reshape(B, n_kv, rep, L, d) * mx.expand_dims(cache.k.lam, 2)).reshape(B, n_kv * rep, L, d)
-    q = cache.k.rotate(q)
 
     def kernel():
-        return dispatch.decode_attention_kernel(cache, q, mask, None, segments=segs)
+        return attention.decode_attention_kernel(cache, queries, d ** -0.5, mask, None, segments=segs)
 
     def reference():
-        return attention._decode_reference(q, cache, mask, None, segs)
+        return attention.reference_output(queries, cache, d ** -0.5, mask, None, segs)
 
     out = kernel()
     if out is None:

@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from .. import codec
 from ._source import SUPPORTED_DIMS
-from .decode_attention import MAX_QUERY_ROWS
+from .decode_attention import MAX_QUERY_ROWS, max_query_rows
 from .quantize import ROWS_PER_THREADGROUP
 
 # cache dtypes (fp segments, quantize input, dequantize output); Metal has no float64
@@ -25,7 +25,7 @@ def production_instantiations():
         for dt in DTYPES:
             out.append(("oiq_quantize", (("T", dt), ("D", d), ("ROWS", ROWS_PER_THREADGROUP))))
             out.append(("oiq_dequantize", (("OutT", dt), ("D", d))))
-            for qb in QUERY_ROWS:
+            for qb in (qb for qb in QUERY_ROWS if qb <= max_query_rows(d)):
                 out.append(("oiq_decode_attention", (("FT", dt), ("D", d), ("QB", qb))))
         out.append(("oiq_decode_merge", (("D", d),)))
     return out

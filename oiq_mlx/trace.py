@@ -1,0 +1,128 @@
+"""Count the GPU dispatches (primitives that launch work) of one decode step of one layer.
+
+A decode step of one layer appends one token's key and value to the cache and attends one query
+over it.  The step is built lazily and its graph read with ``mx.export_to_dot`` (what
+``mx.export_function`` traces, without its limit that the ``Contiguous`` primitive of
+``ensure_row_contiguous`` kernels cannot be serialised); every primitive counts except views and
+broadcasts (``VIEW_PRIMITIVES``), which launch nothing.  A ``Compiled...`` primitive
+(``mx.compile``'s fused elementwise kernel) counts once.
+
+``kernels=True`` selects the Metal kernels as on a Mac (``dispatch.kernels_enabled``) and replaces
+the launcher (``kernels._launch.launch``) by one that records each kernel call and returns
+evaluated zero placeholders: calling a kernel outside tracing raises "No Metal back-end" off a
+Mac, and the placeholders keep the kernels' inputs out of the graph; each recorded call counts
+as one dispatch.  On the reference path (``kernels=False``) the count is what the CPU backend
+(and CI) runs, which is also what MLX would launch for that graph on any device.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import mlx.core as mx
+
+from . import dispatch
+from .kernels import _launch
+
+VIEW_PRIMITIVES = frozenset({"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Transpose", "Slice", "Flatten",
+                             "Unflatten", "AsStrided", "StopGradient"})
+
+
+def launching_primitives(outputs) -> Counter:
+    """Primitive name -> count over the (unevaluated) graph that computes ``outputs``, views left out."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "graph.dot"
+        mx.export_to_dot(str(path), *outputs)
+        names = re.findall(r'label ="([A-Za-z0-9_]+)', path.read_text())
+    return Counter(n for n in names if n not in VIEW_PRIMITIVES)
+
+
+@contextmanager
+def metal_kernels_selected(calls: list):
+    """Within: dispatch picks the Metal kernels, and each kernel call appends its input
+    arrays to ``calls`` (what computes them is part of the step) and returns evaluated
+    zeros of its output shapes."""
+
+    def counting(kernel, **kwargs):
+        calls.append([x for x in kwargs["inputs"] if isinstance(x, mx.array)])
+        outs = [mx.zeros(s, t) for s, t in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
+        mx.eval(outs)
+        return outs
+
+    real_launch, real_enabled = _launch.launch, dispatch.kernels_enabled
+    _launch.launch, dispatch.kernels_enabled = counting, lambda: True
+    try:
+        yield calls
+    finally:
+        _launch.launch, dispatch.kernels_enabled = real_launch, real_enabled
+
+
+def step_dispatches(append, attend, *, kernels: bool = False) -> tuple[int, Counter]:
+    """Dispatches of one decode step: ``append()`` returns whatever ``attend(fetched)`` needs
+    (the cache's ``update_and_fetch`` result) and ``attend`` the output; the cache arrays
+    to count are returned by ``append`` too, as ``(fetched, cache_arrays)``.  Evaluates the
+    step afterwards, so the next one starts from evaluated state.  Returns the total and the
+    count per primitive (kernel calls under ``"kernel"``)."""
+    calls: list = []
+    if kernels:
+        with metal_kernels_selected(calls):
+            fetched, arrays = append()
+            out = attend(fetched)
+            graph = launching_primitives([out, *arrays, *(x for inputs in calls for x in inputs)])
+    else:
+        fetched, arrays = append()
+        out = attend(fetched)
+        graph = launching_primitives([out, *arrays])
+    mx.eval(out, arrays)
+    if calls:
+        graph["kernel"] = len(calls)
+    return sum(graph.values()), graph
+
+
+def _arrays_of(cache) -> list:
+    """The arrays a cache holds (what a step writes), for mlx-lm's caches and OIQKVCache."""
+    if hasattr(cache, "k") and hasattr(cache.k, "codes"):
+        return [a for side in (cache.k, cache.v) for a in vars(side).values() if isinstance(a, mx.array)]
+    out = []
+    for x in (getattr(cache, "keys", None), getattr(cache, "values", None)):
+        out += [a for a in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(a, mx.array)]
+    return out
+
+
+def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
+                      steps: int, dtype=mx.float32, kernels: bool = False, seed: int = 0) -> dict:
+    """Dispatches per decode step of one layer, B = 1, over ``steps`` consecutive steps after a
+    prompt of ``context`` tokens (synthetic Gaussian keys, values and queries).
+
+    ``make_cache()`` builds the layer's cache; ``attend(cache, fetched, q)`` runs attention with
+    what ``update_and_fetch`` returned.  Returns ``{"min", "max", "mean", "per_step",
+    "breakdown"}``: the steady step, the costliest (an OIQ step that packs a block, an mlx-lm step
+    that grows its buffers), the mean, every step's count, and the primitives of the first step.
+    """
+    key = mx.random.key(seed)
+    cache = make_cache()
+    for a in range(0, context, 2048):
+        k1, key = mx.random.split(key)
+        kv = mx.random.normal((2, 1, n_kv_heads, min(2048, context - a), head_dim), key=k1).astype(dtype)
+        cache.update_and_fetch(kv[0], kv[1])
+        mx.eval(_arrays_of(cache))
+    per_step, breakdown = [], None
+    for _ in range(steps):
+        k1, k2, key = mx.random.split(key, 3)
+        kv = mx.random.normal((2, 1, n_kv_heads, 1, head_dim), key=k1).astype(dtype)
+        q = mx.random.normal((1, n_q_heads, 1, head_dim), key=k2).astype(dtype)
+        k_new, v_new = kv[0:1].reshape(kv.shape[1:]), kv[1:2].reshape(kv.shape[1:])
+        mx.eval(k_new, v_new, q)
+
+        def append():
+            return cache.update_and_fetch(k_new, v_new), _arrays_of(cache)
+
+        total, graph = step_dispatches(append, lambda fetched: attend(cache, fetched, q), kernels=kernels)
+        per_step.append(total)
+        breakdown = breakdown or dict(graph)
+    return {"min": min(per_step), "max": max(per_step), "mean": sum(per_step) / len(per_step),
+            "per_step": per_step, "breakdown": breakdown}

@@ -1,0 +1,77 @@
+"""Dispatches per layer per decode step (oiq_mlx.trace): the reference path against mlx-lm's caches,
+and the path with the Metal kernels selected, counted with a recording launcher."""
+
+import mlx.core as mx
+import pytest
+
+from oiq_mlx import benchmark as bench
+from oiq_mlx import trace
+from oiq_mlx.cache import OIQKVCache
+from oiq_mlx.config import OIQConfig
+
+SHAPE = dict(n_q_heads=8, n_kv_heads=2, head_dim=64, context=300)
+# two packed blocks (OIQKVCache.flush_block) per run, so the mean includes what packing costs
+STEPS = 2 * OIQKVCache.flush_block
+
+
+def _counts(name, kernels=False, dtype=mx.float32):
+    spec = next(s for s in bench.default_specs((4, 3, 2), (4,)) if s.name == name)
+    return trace.decode_dispatches(
+        spec.make_layer_cache, lambda c, fetched, q: bench._attention_call(spec, c, fetched, q, 0.125),
+        steps=STEPS, kernels=kernels, dtype=dtype, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def mlx_q4():
+    return _counts("mlx-q4")
+
+
+def test_counter_counts_work_not_views():
+    x = mx.random.normal((4, 8))
+    mx.eval(x)
+    counts = trace.launching_primitives([(x.reshape(8, 4).T * 2).sum(axis=0)])
+    assert dict(counts) == {"Multiply": 1, "Sum": 1}
+
+
+def test_reference_baselines():
+    """mlx-lm's fp16 KVCache + SDPA and its 4-bit QuantizedKVCache, as counted here (CPU graph:
+    SDPA decomposes into matmul / softmax / matmul)."""
+    assert _counts("fp")["min"] == 6
+    assert _counts("mlx-q4")["min"] == 12
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
+def test_reference_path_dispatches(preset, mlx_q4):
+    """A decode step of the reference path launches at most mlx-lm 4-bit's count + 4; the step
+    that packs a block of rows costs more, once every flush_block steps."""
+    r = _counts(f"oiq-{preset}")
+    assert r["min"] <= mlx_q4["min"] + 4, r
+    assert r["per_step"].count(r["min"]) >= STEPS - 2, r["per_step"]
+    assert r["max"] <= 50, r
+    assert r["mean"] <= mlx_q4["mean"] + 6, r
+
+
+def test_only_block_steps_quantize():
+    """Between blocks a step quantizes nothing: the packed end moves by whole blocks."""
+    cache = OIQKVCache(OIQConfig.preset("4bit"))
+    k = mx.random.normal((1, 2, 300, 64))
+    cache.update_and_fetch(k, k)
+    ends = []
+    for _ in range(STEPS):
+        cache.update_and_fetch(k[:, :, :1], k[:, :, :1])
+        ends.append(cache.q_end)
+    assert len(set(ends)) == 3 and all((b - 4) % cache.block == 0 for b in ends)
+    assert 64 <= cache.offset - cache.q_end < 64 + cache.block
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
+def test_metal_path_dispatches(preset):
+    """With the Metal kernels selected (as on a Mac; kernel calls recorded, not run), a float16
+    decode step is at most the fp16 KVCache + SDPA count plus 2: 6 (the centering pass, the two
+    slice updates KVCache does too, the two attention kernels, the cast of the output).  A step
+    that packs a block adds the one fused quantize kernel and the slice updates of codes and scales."""
+    r = _counts(f"oiq-{preset}", kernels=True, dtype=mx.float16)
+    assert r["min"] <= 6, r
+    assert r["breakdown"]["kernel"] == 2 and "Hadamard" not in r["breakdown"], r["breakdown"]
+    assert r["max"] <= 12, r
+    assert r["mean"] <= 6.5, r
