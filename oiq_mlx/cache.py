@@ -529,8 +529,10 @@ class OIQKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array this cache holds (allocated capacity included)."""
-        return self.k.nbytes() + self.v.nbytes()
+        """Bytes of every array this cache holds (allocated capacity included, and the
+        per-layer constants of the stacked quantize pass once built)."""
+        stacked = sum(a.nbytes for a in self._stacked if a is not None) if self._stacked is not None else 0
+        return self.k.nbytes() + self.v.nbytes() + stacked
 
     def quantized_nbytes_formula(self) -> int:
         """What the quantized segment must occupy: capacity x bytes_per_token x B x H."""
