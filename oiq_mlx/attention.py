@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import numpy as np
 
 from . import dispatch, rotation
 from .cache import pad_last
@@ -54,7 +55,9 @@ def _prepare_queries(q, scale, lam, signs):
 
 
 # rows of _affine's output: k scales, v scales, k biases, v biases
-_AFFINE_ROWS = tuple(mx.array([i == j for i in range(4)]).reshape(4, 1, 1, 1, 1) for j in range(3))
+# (built whole, not as lazy reshapes: a lazy module constant belongs to the importing
+# thread's stream, and mlx-lm's server runs attention on its generation thread)
+_AFFINE_ROWS = tuple(mx.array(np.array([i == j for i in range(4)]).reshape(4, 1, 1, 1, 1)) for j in range(3))
 
 
 @functools.partial(mx.compile, shapeless=True)

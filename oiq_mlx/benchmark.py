@@ -21,6 +21,7 @@ started (model weights and other configurations' caches excluded).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -361,7 +362,7 @@ def dispatch_counts(specs, *, n_q_heads: int = 32, n_kv_heads: int = 8, head_dim
     for spec in specs:
         for k in kernels if spec.kind == "oiq" else (False,):
             r = trace.decode_dispatches(
-                spec.make_layer_cache,
+                functools.partial(layer_cache, spec),
                 lambda c, fetched, q, spec=spec: _attention_call(spec, c, fetched, q, head_dim ** -0.5),
                 context=context, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, steps=steps,
                 kernels=k)

@@ -43,6 +43,7 @@ import hashlib
 import json
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import dispatch
@@ -192,7 +193,9 @@ def _center_one(dtype):
     return mx.compile(lambda x, m: (x.astype(mx.float32) - m).astype(dtype), shapeless=True)
 
 
-_SELECT_FIRST = mx.array([True, False]).reshape(2, 1, 1, 1, 1)
+# built whole (not a lazy reshape): a lazy module constant belongs to the importing thread's
+# stream, and mlx-lm's server evaluates caches on its generation thread
+_SELECT_FIRST = mx.array(np.array([True, False]).reshape(2, 1, 1, 1, 1))
 _ZERO = mx.array(0.0, mx.float32)
 
 

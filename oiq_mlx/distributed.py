@@ -195,6 +195,16 @@ def kv_bytes(cache: list, group) -> dict:
     return {"held": held, "fp16": fp16, "held_total": sum(held), "fp16_total": sum(fp16)}
 
 
+def probe_kv_bytes(model, group, tokens: int = 256) -> dict:
+    """Collective: :func:`kv_bytes` of a fresh prompt cache of the sharded
+    ``model`` after one forward pass over ``tokens`` tokens (every rank at once),
+    for a server to report what each rank holds per sequence of that length."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.zeros((1, tokens), dtype=mx.int32), cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    return kv_bytes(cache, group)
+
+
 def format_kv_bytes(report: dict, layout: ShardLayout) -> str:
     mib = [f"rank {i} {b / 2**20:.2f} MiB" for i, b in enumerate(report["held"])]
     ratio = report["fp16_total"] / report["held_total"] if report["held_total"] else float("nan")

@@ -54,6 +54,8 @@ from .integration import make_oiq_cache
 from .models import resolve_model
 
 _MLX_LOAD = mlx_lm.utils.load
+# tokens of the forward pass whose per-rank KV bytes a sharded server reports at start
+KV_PROBE_TOKENS = 256
 
 
 def use_oiq_caches(model, config: OIQConfig, layout: distributed.ShardLayout | None = None):
@@ -122,6 +124,7 @@ def sharded_load_model(path_or_repo, pipeline_group=None, tensor_group=None, ret
     # here, as mlx-lm's sharded_load does, before the generation thread uses them
     mx.eval(model.parameters())
     logging.info("oiq_mlx: %s", layout.describe())
+    model.oiq_layout = layout
     if config is not None:
         use_oiq_caches(model, config, layout)
     return (model, tokenizer, model_config) if return_config else (model, tokenizer)
@@ -166,10 +169,19 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
         f"OIQ {oiq.to_json()}" if oiq is not None else "mlx-lm's own (--no-oiq)",
         "on" if provider.is_batchable and provider.cli_args.kv_bits is None else "off",
     )
+    group = mx.distributed.init()
+    if group.size() > 1:
+        # every rank is here at once: report what each holds for one sequence, then let
+        # rank 0 alone speak, as oiq-generate does under mlx.launch
+        report = distributed.probe_kv_bytes(provider.model, group, tokens=KV_PROBE_TOKENS)
+        if group.rank() != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        logging.info("oiq_mlx: %s, for one sequence of %d tokens",
+                     distributed.format_kv_bytes(report, provider.model.oiq_layout), KV_PROBE_TOKENS)
     prompt_cache = _server.LRUPromptCache(provider.cli_args.prompt_cache_size)
     generator = OIQResponseGenerator(provider, prompt_cache)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    if mx.distributed.init().rank() == 0:
+    if group.rank() == 0:
         _server._run_http_server(host, port, generator)
     else:
         # as mlx_lm.server.run: the other ranks receive rank 0's requests

@@ -1,5 +1,6 @@
 """OIQKVCache: attention correctness, storage, mlx-lm contract (tiny random models)."""
 
+import threading
 import warnings
 
 import mlx.core as mx
@@ -452,3 +453,29 @@ def test_seed_and_rotation_options():
     other.update_and_fetch(k, k)
     assert not mx.array_equal(other.k.signs, caches["seed0"].k.signs)
     assert not mx.array_equal(caches["seed0"].k.signs, caches["seed0"].v.signs)
+
+
+def test_cache_works_on_a_thread_of_its_own():
+    """mlx-lm's server runs generation on its own thread and stream: nothing the
+    cache or attention evaluates may be a lazy array made on the importing thread."""
+    errors = []
+
+    def run():
+        try:
+            with mx.stream(mx.new_stream(mx.default_device())):
+                for preset in ("4bit", "3bit", "2bit"):
+                    c = OIQKVCache(OIQConfig.preset(preset, window=16))
+                    k, v = mx.random.normal((1, 3, 40, 64)), mx.random.normal((1, 3, 40, 64))
+                    q = mx.random.normal((1, 9, 40, 64))
+                    c.update_and_fetch(k, v)
+                    mx.eval(oiq_attention(q, c, scale=0.125, mask="causal"), c.state)
+                    for i in range(20):  # past a packed block
+                        c.update_and_fetch(k[:, :, i : i + 1], v[:, :, i : i + 1])
+                        mx.eval(oiq_attention(q[:, :, :1], c, scale=0.125), c.state)
+        except Exception as e:  # re-raised on the test's thread
+            errors.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert not errors, errors

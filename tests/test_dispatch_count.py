@@ -17,7 +17,7 @@ STEPS = 2 * OIQKVCache.flush_block
 def _counts(name, kernels=False, dtype=mx.float32):
     spec = next(s for s in bench.default_specs((4, 3, 2), (4,)) if s.name == name)
     return trace.decode_dispatches(
-        spec.make_layer_cache, lambda c, fetched, q: bench._attention_call(spec, c, fetched, q, 0.125),
+        lambda: bench.layer_cache(spec), lambda c, fetched, q: bench._attention_call(spec, c, fetched, q, 0.125),
         steps=STEPS, kernels=kernels, dtype=dtype, **SHAPE)
 
 

@@ -271,8 +271,9 @@ def test_tensor_parallel_two_ranks_matches_one_process(worker_records, arch):
                     assert s[f"{side}_codes_mismatch"] <= 0.02 * s[f"{side}_codes_words"], (config, s)
                     assert s[f"{side}_dequantized_maxdiff"] <= s[f"{side}_step"] + 1e-5, (config, s)
             # each rank holds half of the heads, so half of the unsharded bytes, but
-            # the whole per-layer sign vectors (float32, d = 64, keys and values)
-            assert 2 * r["local_held"] - ref_held == len(r["storage"]) * 2 * 64 * 4
+            # the whole per-layer sign vectors (float32, d = 64, keys and values), twice:
+            # as stored and stacked for the one quantize pass of keys and values
+            assert 2 * r["local_held"] - ref_held == len(r["storage"]) * 2 * (2 * 64 * 4)
 
 
 @loopback
@@ -395,8 +396,9 @@ def test_bench_sharded_reports_each_sharding_beside_one_process(tmp_path):
         pipeline = runs["pipeline", cache]["kv_bytes_per_rank"]
         assert sum(pipeline) == one and pipeline[0] == 2 * pipeline[1], (cache, pipeline, one)
         tensor = runs["tensor", cache]["kv_bytes_per_rank"]
-        # tensor: half the heads per rank; OIQ ranks also keep each layer's whole sign vectors
-        signs = 0 if cache == "fp" else 3 * 2 * 64 * 4
+        # tensor: half the heads per rank; OIQ ranks also keep each layer's whole sign vectors,
+        # as stored and stacked for the one quantize pass of keys and values
+        signs = 0 if cache == "fp" else 3 * 2 * (2 * 64 * 4)
         assert tensor == [(one + signs) // 2] * 2, (cache, tensor, one)
     assert out.count("| context | cache | ms/token 1 process | ms/token tensor x2 | ms/token pipeline x2 |") == 1, out
     assert sum(line.startswith("| 96 | ") for line in out.splitlines()) == 2
@@ -427,3 +429,8 @@ def test_oiq_server_on_two_ranks_answers_as_one_process(qwen2_folder, tmp_path, 
         log = two.log()
     assert got.text == expected.text, log
     assert f"{sharding} parallel" in log and "rank 1 of 2" in log, log
+    per_rank = re.search(r"KV cache per rank \(\w+ parallel over 2 ranks\): rank 0 ([\d.]+) MiB, rank 1 ([\d.]+) MiB; "
+                         r"total ([\d.]+) MiB held", log)
+    assert per_rank and log.count("KV cache per rank") == 1, log  # reported once, by rank 0
+    rank0, rank1, total = (float(x) for x in per_rank.groups())
+    assert rank0 > 0 and rank1 > 0 and abs(total - rank0 - rank1) <= 0.011, per_rank.group(0)

