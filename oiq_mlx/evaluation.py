@@ -11,6 +11,10 @@ Four measurements, each against mlx-lm's plain ``KVCache`` at the model's dtype
 * :func:`needle_eval`: a passkey sentence hidden at a depth of an Austen
   filler of a given token length; greedy decoding with ``generate_step``
   through the cache must reproduce the passkey exactly.
+  :func:`needle_stats` repeats it over many trials per (length, depth) cell
+  (passkeys, haystack texts and offsets drawn per trial) and compares every
+  cache with fp on the same trials: rates with Wilson intervals, paired
+  counts, McNemar's test (``scripts/needle_stats.py``).
 * :func:`attention_fidelity`: the fp queries/keys/values of one prompt are
   captured per layer, written into each cache, and the cache's attention
   output (what the model would see) is compared with fp attention (cosine),

@@ -80,7 +80,7 @@ def test_planned_prompts_have_exact_length_depth_and_come_from_the_texts(tok_cls
     # round by round: every cell once before any cell twice
     assert [(t.length, t.depth) for t in plan[:8]] == [(L, d) for L in lengths for d in depths]
     assert len({t.passkey for t in plan}) == len(plan)
-    assert {t.text for t in plan} == {"a", "b"}
+    assert {t.text for t in plan[:8]} == {"a", "b"}  # texts alternate within a round too
     # each text meets each depth
     assert {(t.text, t.depth) for t in plan} == {(h, d) for h in "ab" for d in depths}
     for t in plan:
