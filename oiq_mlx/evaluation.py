@@ -642,6 +642,19 @@ def paired_counts(ref, other) -> dict:
     }
 
 
+def margin_drop(ref: list, other: list) -> dict | None:
+    """Mean and standard error of ``ref - other`` over paired trials: how much
+    closer to a miss a cache's answers came than fp's (each value the smallest
+    top-1 vs runner-up log-probability margin over a trial's answer tokens)."""
+    if len(ref) != len(other):
+        raise ValueError(f"paired margins need equal lengths, got {len(ref)} and {len(other)}")
+    if not ref:
+        return None
+    diff = np.asarray(ref, dtype=np.float64) - np.asarray(other, dtype=np.float64)
+    se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else None
+    return {"n": int(diff.size), "mean": float(diff.mean()), "se": se}
+
+
 def _rate(hits: list) -> dict:
     lo, hi = wilson_interval(sum(hits), len(hits))
     return {"hits": int(sum(hits)), "n": len(hits), "rate": sum(hits) / len(hits) if hits else None, "ci": [lo, hi]}
@@ -664,6 +677,9 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
         if n != ref:
             both = [r for r in rows if ref in r["results"]]
             entry["paired"] = paired_counts([r["results"][ref]["hit"] for r in both], [r["results"][n]["hit"] for r in both])
+            hits = [r for r in both if r["results"][ref]["hit"] and r["results"][n]["hit"]]
+            entry["margin_drop"] = margin_drop([min(r["results"][ref]["margins"]) for r in hits],
+                                               [min(r["results"][n]["margins"]) for r in hits])
             entry["paired_by_length"] = {
                 str(L): paired_counts([r["results"][ref]["hit"] for r in both if r["length"] == L],
                                       [r["results"][n]["hit"] for r in both if r["length"] == L])
@@ -757,8 +773,9 @@ def needle_stats_markdown(result: dict) -> str:
         f"{result['completed']}/{result['planned']} trials ({result['trials_per_cell']} per length x depth, "
         f"depths {result['depths']}, texts {', '.join(result['texts'])}); hits/trials (rate, 95% Wilson interval)",
         "",
-        "| cache | " + " | ".join(lengths) + " | all | " + f"{ref}-hits missed | hits {ref} missed | McNemar p |",
-        "|---|" + "---|" * (len(lengths) + 4),
+        "| cache | " + " | ".join(lengths) + " | all | " + f"{ref}-hits missed | hits {ref} missed | McNemar p "
+        f"| margin drop vs {ref} |",
+        "|---|" + "---|" * (len(lengths) + 5),
     ]
     for n in names:
         s = summary[n]
@@ -767,11 +784,15 @@ def needle_stats_markdown(result: dict) -> str:
             p = s["paired"]
             ci = p["missed_of_ref_ci"]
             missed = f"{p['ref_only']}/{p['both'] + p['ref_only']} (95% <= {ci[1]:.0%})"
-            extra = [missed, str(p["other_only"]), f"{p['mcnemar_p']:.3g}"]
+            m = s["margin_drop"]
+            drop = "-" if m is None else f"{m['mean']:+.2f}" + ("" if m["se"] is None else f" ± {m['se']:.2f}")
+            extra = [missed, str(p["other_only"]), f"{p['mcnemar_p']:.3g}", drop]
         else:
-            extra = ["-", "-", "-"]
+            extra = ["-", "-", "-", "-"]
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {_fmt_rate(s['all'])} | " + " | ".join(extra) + " |")
-    lines += ["", f"by depth (all lengths): " + "; ".join(
+    lines += ["", "margin: the smallest log-probability gap between the chosen answer token and the runner-up over "
+              f"a trial's answer; margin drop: its mean decrease against {ref} (± standard error) on trials both "
+              "retrieve.", "", "by depth (all lengths): " + "; ".join(
         f"{n}: " + ", ".join(f"{float(d):.2f} {r['hits']}/{r['n']}" for d, r in summary[n]["by_depth"].items())
         for n in names)]
     discordant = [r for r in result["records"] if len({bool(v["hit"]) for v in r["results"].values()}) > 1]
@@ -779,7 +800,7 @@ def needle_stats_markdown(result: dict) -> str:
         lines += ["", "trials where the caches disagree:", ""]
         for r in discordant:
             answers = "; ".join(f"{n} {'+' if v['hit'] else '-'} {v['answer'].strip()[:24]!r} "
-                                f"(margin {v['margins'][0]:.2f})" for n, v in r["results"].items())
+                                f"(margin {min(v['margins']):.2f})" for n, v in r["results"].items())
             lines.append(f"- #{r['index']} len {r['length']} depth {r['actual_depth']:.2f} {r['text']}@{r['offset']} "
                          f"key {r['passkey']}: {answers}")
     return "\n".join(lines)

@@ -161,9 +161,19 @@ def test_paired_counts_constructed():
         ev.paired_counts([True], [True, False])
 
 
+def test_margin_drop_constructed():
+    m = ev.margin_drop([3.0, 2.0, 4.0], [2.0, 2.5, 1.0])
+    assert m["n"] == 3 and m["mean"] == pytest.approx(3.5 / 3)
+    assert m["se"] == pytest.approx(np.std([1.0, -0.5, 3.0], ddof=1) / np.sqrt(3))
+    assert ev.margin_drop([], []) is None and ev.margin_drop([1.0], [0.5])["se"] is None
+    with pytest.raises(ValueError):
+        ev.margin_drop([1.0], [])
+
+
 def _record(i, length, depth, hits):
     return {"index": i, "length": length, "depth": depth, "text": "a", "offset": 0, "passkey": str(10000 + i),
-            "actual_depth": depth, "results": {n: {"hit": h, "answer": "", "margins": [0.0]} for n, h in hits.items()}}
+            "actual_depth": depth,
+            "results": {n: {"hit": h, "answer": "", "margins": [9.0, 2.0 + i + (n == "fp")]} for n, h in hits.items()}}
 
 
 def test_summary_per_length_and_depth():
@@ -184,6 +194,8 @@ def test_summary_per_length_and_depth():
     assert s["oiq-4"]["paired_by_length"]["2048"]["ref_only"] == 1
     assert s["oiq-4"]["paired_by_length"]["4096"]["other_only"] == 1
     assert "paired" not in s["fp"]
+    # trials 1 and 3 both hit; fp's smallest margins are 1 larger
+    assert s["oiq-4"]["margin_drop"] == {"n": 2, "mean": pytest.approx(1.0), "se": pytest.approx(0.0)}
 
 
 def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
