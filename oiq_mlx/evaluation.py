@@ -542,6 +542,9 @@ def record_first_chunk(model, ids, n: int) -> tuple[list, list]:
     log = [None] * len(cache)
     for i, c in enumerate(cache):
         def record(keys, values, _i=i, _orig=c.update_and_fetch):
+            if log[_i] is not None:
+                raise ValueError(f"cache layer {_i} was written twice in one forward pass (a model that shares "
+                                 "caches between layers); run with share_prefill=False (--no-share-prefill)")
             log[_i] = (keys, values)
             return _orig(keys, values)
 
@@ -553,7 +556,8 @@ def record_first_chunk(model, ids, n: int) -> tuple[list, list]:
         for c in cache:
             del c.update_and_fetch
     if any(kv is None for kv in log):
-        raise ValueError("the model skipped some cache layers in its forward pass; run without the shared prefill")
+        raise ValueError("the model left some cache layers unwritten in its forward pass; run with "
+                         "share_prefill=False (--no-share-prefill)")
     return cache, log
 
 

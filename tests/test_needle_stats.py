@@ -290,6 +290,20 @@ def test_record_first_chunk_restores_the_cache_methods():
     assert all(c.offset == 30 for c in cache)
 
 
+def test_record_first_chunk_refuses_shared_layers():
+    """A model that writes one cache twice per pass cannot have its chunk replayed."""
+    model = tiny_llama()
+
+    class Shared:
+        layers = model.layers
+
+        def __call__(self, inputs, cache=None):
+            return model(inputs, cache=[cache[0], cache[0]])
+
+    with pytest.raises(ValueError, match="written twice"):
+        ev.record_first_chunk(Shared(), list(range(20)), 10)
+
+
 def test_script_rejects_bad_options():
     for args, msg in ((["--trials", "0"], "--trials"), (["--depths", "0.5,2"], "--depths"),
                       (["--resume"], "--resume needs --json"), (["--texts", "/nonexistent.txt"], "cannot read"),
