@@ -11,6 +11,10 @@ Four measurements, each against mlx-lm's plain ``KVCache`` at the model's dtype
 * :func:`needle_eval`: a passkey sentence hidden at a depth of an Austen
   filler of a given token length; greedy decoding with ``generate_step``
   through the cache must reproduce the passkey exactly.
+  :func:`needle_stats` repeats it over many trials per (length, depth) cell
+  (passkeys, haystack texts and offsets drawn per trial) and compares every
+  cache with fp on the same trials: rates with Wilson intervals, paired
+  counts, McNemar's test (``scripts/needle_stats.py``).
 * :func:`attention_fidelity`: the fp queries/keys/values of one prompt are
   captured per layer, written into each cache, and the cache's attention
   output (what the model would see) is compared with fp attention (cosine),
@@ -37,6 +41,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generate_step
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
@@ -353,8 +358,6 @@ def retrieved_passkey(text: str) -> str | None:
 
 
 def greedy_answer(model, tokenizer, ids, cache, max_tokens: int = 8) -> str:
-    from mlx_lm.generate import generate_step
-
     out = []
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     for tok, _ in generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=max_tokens):
@@ -417,6 +420,394 @@ def needle_eval(model, tokenizer, specs, *, filler_text: str, lengths, depths, c
         "score": {n: float(np.mean(g)) for n, g in grid.items()},
         "seconds": seconds,
     }
+
+
+# ---------------------------------------------------------------- needle statistics
+
+
+@dataclasses.dataclass
+class Haystack:
+    """One haystack text, tokenized once: ``ends`` are the indices where a
+    sentence starts (offsets and needle cuts are taken there)."""
+
+    name: str
+    ids: list
+    ends: list
+
+    def filler(self, offset: int, n: int) -> tuple[list, list]:
+        """``n`` tokens from ``offset`` (wrapping to the start of the text when it
+        runs out) and the sentence starts inside them, relative to ``offset``."""
+        ids, ends, base = [], [], 0
+        start = offset
+        while len(ids) < n:
+            chunk = self.ids[start : start + n - len(ids)]
+            ends += [base + e - start for e in self.ends if start <= e <= start + len(chunk)]
+            ids += chunk
+            base, start = len(ids), 0
+        return ids, sorted(set(ends))
+
+
+def prepare_haystack(tokenizer, name: str, text: str) -> Haystack:
+    ids = _encode(tokenizer, text)
+    if len(ids) < 2:
+        raise ValueError(f"haystack text {name!r} has {len(ids)} tokens; it needs at least 2")
+    return Haystack(name, ids, _sentence_ends(tokenizer, ids))
+
+
+@dataclasses.dataclass
+class NeedleTrial:
+    """One haystack prompt, run through every cache."""
+
+    index: int
+    text: str  # haystack name
+    offset: int  # first haystack token taken from the text
+    length: int
+    depth: float  # requested
+    passkey: str
+    prompt: NeedlePrompt
+
+
+def plan_needle_trials(tokenizer, haystacks, lengths, depths, trials: int, *, seed: int = 0,
+                       chat: bool = True) -> list[NeedleTrial]:
+    """``trials`` prompts per (length, depth) cell, each with its own passkey,
+    haystack text (round robin over ``haystacks``, shifted per cell so every
+    text meets every depth) and random sentence-aligned offset into the text.
+
+    Ordered round by round (trial k of every cell, then trial k + 1), so that a
+    run stopped early has the same number of trials in each cell."""
+    if trials < 1:
+        raise ValueError(f"trials per cell must be >= 1, got {trials}")
+    if not haystacks:
+        raise ValueError("no haystack texts")
+    for d in depths:
+        if not 0.0 <= d <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {d}")
+    head, tail = needle_frame(tokenizer, chat)
+    rng = random.Random(seed)
+    cells = [(L, d) for L in lengths for d in depths]
+    out, keys = [], set()
+    for k in range(trials):
+        for c, (L, d) in enumerate(cells):
+            hay = haystacks[(k + c) % len(haystacks)]
+            key = str(rng.randint(10000, 99999))
+            while key in keys:
+                key = str(rng.randint(10000, 99999))
+            keys.add(key)
+            n_hay = L - len(head) - len(tail) - len(_encode(tokenizer, NEEDLE_TEMPLATE.format(key=key)))
+            starts = [e for e in hay.ends if e + n_hay <= len(hay.ids)] or [0]
+            offset = rng.choice(starts)
+            filler, ends = hay.filler(offset, max(n_hay, 1))
+            prompt = build_needle_prompt(tokenizer, filler, L, d, key, chat=chat, sentence_ends=ends)
+            out.append(NeedleTrial(len(out), hay.name, offset, L, d, key, prompt))
+    return out
+
+
+def _greedy_trace(tokenizer, steps) -> dict:
+    """Greedy tokens from a ``generate_step`` iterator, stopped once a run of
+    digits has ended, with the log-probability margin between the chosen token
+    and the runner-up at each step (how close a miss was)."""
+    out, margins = [], []
+    eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
+    for tok, logprobs in steps:
+        t = int(tok)
+        top2 = mx.topk(logprobs.reshape(-1), 2)
+        margins.append(float(top2.max() - top2.min()))
+        if t in eos:
+            break
+        out.append(t)
+        if re.search(r"\d+\D", tokenizer.decode(out)):
+            break
+    return {"answer": tokenizer.decode(out), "margins": margins}
+
+
+def answer_trace(model, tokenizer, ids, cache, *, max_tokens: int = 8, prefill_step_size: int = 2048) -> dict:
+    """Greedy answer through ``generate_step`` (mlx-lm's prefill: all prompt
+    tokens but the last in chunks of ``prefill_step_size``, the last one as a
+    one-token step); see :func:`_greedy_trace`."""
+    return _greedy_trace(tokenizer, generate_step(mx.array(ids), model, prompt_cache=cache, max_tokens=max_tokens,
+                                                  prefill_step_size=prefill_step_size))
+
+
+# cache kinds whose first prefill chunk attends to exactly the keys and values
+# it writes (fp, and OIQ: DESIGN), so that chunk's per-layer writes are the same
+# for every such cache and can be computed once per prompt
+EXACT_PREFILL_KINDS = ("fp", "oiq")
+
+
+def record_first_chunk(model, ids, n: int) -> tuple[list, list]:
+    """Prefill ``ids[:n]`` into a fresh fp prompt cache, as ``generate_step``'s
+    first chunk, recording each layer's ``update_and_fetch(keys, values)``
+    arguments.  Returns the cache and the per-layer records."""
+    cache = make_prompt_cache(model)
+    log = [None] * len(cache)
+    for i, c in enumerate(cache):
+        def record(keys, values, _i=i, _orig=c.update_and_fetch):
+            if log[_i] is not None:
+                raise ValueError(f"cache layer {_i} was written twice in one forward pass (a model that shares "
+                                 "caches between layers); run with share_prefill=False (--no-share-prefill)")
+            log[_i] = (keys, values)
+            return _orig(keys, values)
+
+        c.update_and_fetch = record
+    try:
+        model(mx.array(ids[:n])[None], cache=cache)
+        mx.eval([c.state for c in cache] + [x for kv in log if kv is not None for x in kv])
+    finally:
+        for c in cache:
+            del c.update_and_fetch
+    if any(kv is None for kv in log):
+        raise ValueError("the model left some cache layers unwritten in its forward pass; run with "
+                         "share_prefill=False (--no-share-prefill)")
+    return cache, log
+
+
+def replay_first_chunk(cache, log) -> list:
+    """Write the recorded first chunk into ``cache`` (what the model would write
+    into a cache of an exact-prefill kind) and evaluate it as ``generate_step`` does."""
+    for c, (k, v) in zip(cache, log):
+        c.update_and_fetch(k, v)
+        if isinstance(c, OIQKVCache):
+            c.release_fresh()
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def trial_answers(model, tokenizer, ids, specs, *, max_tokens: int = 8, prefill_step_size: int = 2048,
+                  share_prefill: bool = True) -> dict:
+    """Each cache's :func:`answer_trace` on one prompt.  With ``share_prefill``
+    the first prefill chunk (``min(prefill_step_size, len(ids) - 1)`` tokens) is
+    run once in fp and replayed into every cache of an exact-prefill kind
+    (:func:`exact_prefill_kinds`); the rest of the prompt goes through
+    ``generate_step`` with the same chunk boundaries, so each answer is the one
+    ``generate_step`` gives on the whole prompt (up to float rounding)."""
+    out = {}
+    n1 = min(prefill_step_size, len(ids) - 1)
+    shared = [s for s in specs if s.kind in EXACT_PREFILL_KINDS] if share_prefill and n1 > 0 else []
+    log = fp_cache = None
+    t0 = time.perf_counter()
+    if shared:
+        fp_cache, log = record_first_chunk(model, ids, n1)
+    t_shared = time.perf_counter() - t0
+    for s in specs:
+        t_run = time.perf_counter()
+        if s in shared:
+            cache = fp_cache if s.kind == "fp" and fp_cache is not None else replay_first_chunk(s.make_cache(model), log)
+            if s.kind == "fp":
+                fp_cache = None
+            steps = generate_step(mx.array(ids[n1:]), model, prompt_cache=cache, max_tokens=max_tokens,
+                                  prefill_step_size=prefill_step_size)
+            tr = _greedy_trace(tokenizer, steps)
+        else:
+            tr = answer_trace(model, tokenizer, ids, s.make_cache(model), max_tokens=max_tokens,
+                              prefill_step_size=prefill_step_size)
+        tr["seconds"] = time.perf_counter() - t_run + (t_shared / len(shared) if s in shared else 0.0)
+        out[s.name] = tr
+    return out
+
+
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a binomial rate (95% for z = 1.96); (0, 1) for n = 0."""
+    if n == 0:
+        return 0.0, 1.0
+    if not 0 <= hits <= n:
+        raise ValueError(f"hits must be in [0, {n}], got {hits}")
+    p = hits / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def mcnemar_p(b: int, c: int) -> float:
+    """Exact two-sided McNemar p-value for ``b`` and ``c`` discordant pairs."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_counts(ref, other) -> dict:
+    """Paired outcome counts of two caches on the same trials (sequences of bools):
+    ``both``, ``ref_only`` (fp-hits the cache misses), ``other_only`` (hits fp
+    misses), ``neither``; ``missed_of_ref`` with its Wilson interval; McNemar p."""
+    if len(ref) != len(other):
+        raise ValueError(f"paired outcomes need equal lengths, got {len(ref)} and {len(other)}")
+    both = sum(1 for a, b in zip(ref, other) if a and b)
+    ref_only = sum(1 for a, b in zip(ref, other) if a and not b)
+    other_only = sum(1 for a, b in zip(ref, other) if b and not a)
+    ref_hits = both + ref_only
+    return {
+        "n": len(ref), "both": both, "ref_only": ref_only, "other_only": other_only,
+        "neither": len(ref) - both - ref_only - other_only,
+        "missed_of_ref": ref_only / ref_hits if ref_hits else None,
+        "missed_of_ref_ci": list(wilson_interval(ref_only, ref_hits)),
+        "mcnemar_p": mcnemar_p(ref_only, other_only),
+    }
+
+
+def margin_drop(ref: list, other: list) -> dict | None:
+    """Mean and standard error of ``ref - other`` over paired trials: how much
+    closer to a miss a cache's answers came than fp's (each value the smallest
+    top-1 vs runner-up log-probability margin over a trial's answer tokens)."""
+    if len(ref) != len(other):
+        raise ValueError(f"paired margins need equal lengths, got {len(ref)} and {len(other)}")
+    if not ref:
+        return None
+    diff = np.asarray(ref, dtype=np.float64) - np.asarray(other, dtype=np.float64)
+    se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else None
+    return {"n": int(diff.size), "mean": float(diff.mean()), "se": se}
+
+
+def _rate(hits: list) -> dict:
+    lo, hi = wilson_interval(sum(hits), len(hits))
+    return {"hits": int(sum(hits)), "n": len(hits), "rate": sum(hits) / len(hits) if hits else None, "ci": [lo, hi]}
+
+
+def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
+    """Per cache, overall and per length and per depth: hits, rate, Wilson 95%
+    interval; paired against ``ref`` on the trials both ran."""
+    out = {}
+    for n in names:
+        rows = [r for r in records if n in r["results"]]
+        hit = lambda rs: [bool(r["results"][n]["hit"]) for r in rs]  # noqa: E731
+        entry = {
+            "all": _rate(hit(rows)),
+            "by_length": {str(L): _rate(hit([r for r in rows if r["length"] == L]))
+                          for L in sorted({r["length"] for r in rows})},
+            "by_depth": {str(d): _rate(hit([r for r in rows if r["depth"] == d]))
+                         for d in sorted({r["depth"] for r in rows})},
+        }
+        if n != ref:
+            both = [r for r in rows if ref in r["results"]]
+            entry["paired"] = paired_counts([r["results"][ref]["hit"] for r in both], [r["results"][n]["hit"] for r in both])
+            hits = [r for r in both if r["results"][ref]["hit"] and r["results"][n]["hit"]]
+            entry["margin_drop"] = margin_drop([min(r["results"][ref]["margins"]) for r in hits],
+                                               [min(r["results"][n]["margins"]) for r in hits])
+            entry["paired_by_length"] = {
+                str(L): paired_counts([r["results"][ref]["hit"] for r in both if r["length"] == L],
+                                      [r["results"][n]["hit"] for r in both if r["length"] == L])
+                for L in sorted({r["length"] for r in both})
+            }
+        out[n] = entry
+    return out
+
+
+def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials: int, seed: int = 0,
+                 chat: bool = True, max_tokens: int = 8, prefill_step_size: int = 2048, share_prefill: bool = True,
+                 progress=None, done=None, checkpoint=None) -> dict:
+    """Passkey retrieval over many trials per (length, depth) cell, every trial
+    run through every cache in ``specs`` (the first is the paired reference).
+
+    ``done``: records of an earlier run of the same plan (by trial index) that
+    are kept instead of rerun; ``checkpoint(result)`` is called after each trial
+    so a stopped run keeps what it measured.  Returns a JSON-serialisable dict
+    with the per-trial ``records`` and the ``summary``."""
+    progress = progress or Progress(enabled=False)
+    plan = plan_needle_trials(tokenizer, haystacks, lengths, depths, trials, seed=seed, chat=chat)
+    names = [s.name for s in specs]
+    done = {r["index"]: r for r in (done or [])}
+    records = []
+    # prefill dominates: a trial costs about its length in tokens per cache
+    total = sum(t.length for t in plan if t.index not in done) * len(specs)
+    spent, t0 = 0, time.perf_counter()
+    for t in plan:
+        if t.index in done:
+            old = done[t.index]
+            if (old["passkey"], old["length"], old["text"], old["offset"]) != (t.passkey, t.length, t.text, t.offset):
+                raise ValueError(f"trial {t.index} of the resumed run differs from this plan "
+                                 f"(other seed, texts, lengths, depths or model?)")
+            if set(old["results"]) >= set(names):
+                records.append(old)
+                continue
+        rec = {
+            "index": t.index, "text": t.text, "offset": t.offset, "length": t.length, "depth": t.depth,
+            "actual_depth": t.prompt.depth, "needle_token": t.prompt.needle_start, "passkey": t.passkey,
+            "results": {},
+        }
+        answers = trial_answers(model, tokenizer, t.prompt.ids, specs, max_tokens=max_tokens,
+                                prefill_step_size=prefill_step_size, share_prefill=share_prefill)
+        for name, tr in answers.items():
+            rec["results"][name] = {"hit": retrieved_passkey(tr["answer"]) == t.passkey, **tr}
+        spent += t.length * len(specs)
+        records.append(rec)
+        verdicts = " ".join(f"{n}:{'+' if rec['results'][n]['hit'] else '-'}" for n in names)
+        progress(f"trial {t.index + 1}/{len(plan)} len {t.length} depth {t.depth:.2f} {t.text}@{t.offset} "
+                 f"key {t.passkey}: {verdicts}; ETA {_eta(spent, total, time.perf_counter() - t0)}")
+        if checkpoint is not None:
+            checkpoint(_needle_stats_result(records, names, plan, lengths, depths, trials, seed, chat,
+                                            prefill_step_size, share_prefill, haystacks))
+    return _needle_stats_result(records, names, plan, lengths, depths, trials, seed, chat, prefill_step_size,
+                                share_prefill, haystacks)
+
+
+def _needle_stats_result(records, names, plan, lengths, depths, trials, seed, chat, prefill_step_size, share_prefill,
+                         haystacks):
+    return {
+        "caches": names,
+        "lengths": list(lengths),
+        "depths": list(depths),
+        "trials_per_cell": trials,
+        "planned": len(plan),
+        "completed": len(records),
+        "seed": seed,
+        "chat": chat,
+        "prefill_step_size": prefill_step_size,
+        "share_prefill": share_prefill,
+        "texts": {h.name: len(h.ids) for h in haystacks},
+        "format": {"needle": NEEDLE_TEMPLATE, "question": QUESTION, "answer_prefix": ANSWER_PREFIX},
+        "summary": summarize_needle_trials(records, names, ref=names[0]),
+        "records": records,
+    }
+
+
+def _fmt_rate(r: dict) -> str:
+    if not r["n"]:
+        return "-"
+    return f"{r['hits']}/{r['n']} ({r['rate']:.0%}, {r['ci'][0]:.0%}-{r['ci'][1]:.0%})"
+
+
+def needle_stats_markdown(result: dict) -> str:
+    """Retrieval per cache and length with 95% Wilson intervals, the paired
+    comparison against the reference, and every discordant trial."""
+    names, summary = result["caches"], result["summary"]
+    ref = names[0]
+    lengths = [str(L) for L in result["lengths"]]
+    lines = [
+        f"{result['completed']}/{result['planned']} trials ({result['trials_per_cell']} per length x depth, "
+        f"depths {result['depths']}, texts {', '.join(result['texts'])}); hits/trials (rate, 95% Wilson interval)",
+        "",
+        "| cache | " + " | ".join(lengths) + " | all | " + f"{ref}-hits missed | hits {ref} missed | McNemar p "
+        f"| margin drop vs {ref} |",
+        "|---|" + "---|" * (len(lengths) + 5),
+    ]
+    for n in names:
+        s = summary[n]
+        cells = [_fmt_rate(s["by_length"][L]) if L in s["by_length"] else "-" for L in lengths]
+        if "paired" in s:
+            p = s["paired"]
+            ci = p["missed_of_ref_ci"]
+            missed = f"{p['ref_only']}/{p['both'] + p['ref_only']} (95% <= {ci[1]:.0%})"
+            m = s["margin_drop"]
+            drop = "-" if m is None else f"{m['mean']:+.2f}" + ("" if m["se"] is None else f" ± {m['se']:.2f}")
+            extra = [missed, str(p["other_only"]), f"{p['mcnemar_p']:.3g}", drop]
+        else:
+            extra = ["-", "-", "-", "-"]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {_fmt_rate(s['all'])} | " + " | ".join(extra) + " |")
+    lines += ["", "margin: the smallest log-probability gap between the chosen answer token and the runner-up over "
+              f"a trial's answer; margin drop: its mean decrease against {ref} (± standard error) on trials both "
+              "retrieve.", "", "by depth (all lengths): " + "; ".join(
+        f"{n}: " + ", ".join(f"{float(d):.2f} {r['hits']}/{r['n']}" for d, r in summary[n]["by_depth"].items())
+        for n in names)]
+    discordant = [r for r in result["records"] if len({bool(v["hit"]) for v in r["results"].values()}) > 1]
+    if discordant:
+        lines += ["", "trials where the caches disagree:", ""]
+        for r in discordant:
+            answers = "; ".join(f"{n} {'+' if v['hit'] else '-'} {v['answer'].strip()[:24]!r} "
+                                f"(margin {min(v['margins']):.2f})" for n, v in r["results"].items())
+            lines.append(f"- #{r['index']} len {r['length']} depth {r['actual_depth']:.2f} {r['text']}@{r['offset']} "
+                         f"key {r['passkey']}: {answers}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- attention fidelity

@@ -8,6 +8,8 @@ plain KVCache at the model dtype, and bytes are reported fp16-equivalent.
 
 Quick run (about 13 minutes on 2 idle CPU cores with SmolLM2-135M):
     python scripts/eval_quality.py --quick --json out/quick.json --plots out/
+Its needle grid is one trial per cell on one text; retrieval with statistics
+(many trials, several texts, paired against fp) is scripts/needle_stats.py.
 Full run: 4 windows of 256 + 768 scored tokens, fidelity on 512 tokens, needle
 at 1k/2k/4k/8000 tokens x 5 depths on 7 caches (hours on CPU, where the 8k
 needle prompts dominate; not timed on a Mac here):

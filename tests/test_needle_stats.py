@@ -1,0 +1,333 @@
+"""The statistical needle harness (oiq_mlx.evaluation.needle_stats): prompts at
+exact lengths and depths on any text, the paired counting, the Wilson interval
+and McNemar's test on constructed cases, the shared first prefill chunk against
+whole-prompt ``generate_step``, and the script end to end on SmolLM2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from oiq_mlx import evaluation as ev
+from oiq_mlx.cache import OIQKVCache
+from oiq_mlx.specs import parse_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT_A = "It was a truth universally acknowledged. She smiled! Did he know? " * 40
+TEXT_B = "The rain fell on the moor for three days and nights. Nobody came. " * 30
+
+
+class CharTokenizer:
+    """Byte-level toy tokenizer."""
+
+    bos_token_id = None
+    eos_token_ids = ()
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+class WordTokenizer:
+    """A word-level tokenizer (ids are positions in a growing vocabulary) with a
+    chat template, to show the harness does not depend on one tokenization."""
+
+    bos_token_id = None
+    eos_token_ids = ()
+    chat_template = "<user>{content}</user><assistant>"
+
+    def __init__(self):
+        self.vocab, self.words = {}, []
+
+    def _id(self, w):
+        if w not in self.vocab:
+            self.vocab[w] = len(self.words)
+            self.words.append(w)
+        return self.vocab[w]
+
+    def encode(self, text, add_special_tokens=True):
+        import re
+
+        return [self._id(w) for w in re.findall(r"\s*\S+|\s+", text)]
+
+    def decode(self, ids):
+        return "".join(self.words[i] for i in ids)
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return self.chat_template.format(content=messages[0]["content"])
+
+
+def _needle_ids(tok, key):
+    return tok.encode(ev.NEEDLE_TEMPLATE.format(key=key), add_special_tokens=False)
+
+
+@pytest.mark.parametrize("tok_cls, chat", [(CharTokenizer, False), (WordTokenizer, True)])
+def test_planned_prompts_have_exact_length_depth_and_come_from_the_texts(tok_cls, chat):
+    tok = tok_cls()
+    hays = [ev.prepare_haystack(tok, "a", TEXT_A), ev.prepare_haystack(tok, "b", TEXT_B)]
+    lengths = (120, 300) if tok_cls is WordTokenizer else (400, 1000)
+    depths = (0.0, 0.3, 0.75, 1.0)
+    plan = ev.plan_needle_trials(tok, hays, lengths, depths, 3, seed=1, chat=chat)
+    assert len(plan) == 3 * len(lengths) * len(depths)
+    # round by round: every cell once before any cell twice
+    assert [(t.length, t.depth) for t in plan[:8]] == [(L, d) for L in lengths for d in depths]
+    assert len({t.passkey for t in plan}) == len(plan)
+    assert {t.text for t in plan[:8]} == {"a", "b"}  # texts alternate within a round too
+    # each text meets each depth
+    assert {(t.text, t.depth) for t in plan} == {(h, d) for h in "ab" for d in depths}
+    for t in plan:
+        p = t.prompt
+        assert len(p.ids) == p.length == t.length
+        needle = _needle_ids(tok, t.passkey)
+        assert p.ids[p.needle_start : p.needle_start + len(needle)] == needle
+        n_filler = p.hay_len - len(needle)
+        # the needle sits at the sentence start nearest the requested depth; sentences are <= 15 words / 55 bytes
+        slack = 15 if tok_cls is WordTokenizer else 55
+        assert abs((p.needle_start - p.hay_start) - t.depth * n_filler) <= slack
+        assert p.depth == pytest.approx((p.needle_start - p.hay_start) / n_filler)
+        hay = next(h for h in hays if h.name == t.text)
+        before = tok.decode(p.ids[p.hay_start : p.needle_start]).rstrip()
+        assert before == "" or before[-1] in ".!?"
+        # the haystack is the text from the trial's offset on (wrapping round), cut around the needle
+        filler = p.ids[p.hay_start : p.needle_start] + p.ids[p.needle_start + len(needle) : p.hay_start + p.hay_len]
+        expect = (hay.ids[t.offset :] + hay.ids * (2 + t.length // len(hay.ids)))[:n_filler]
+        assert filler == expect
+        assert t.offset in hay.ends
+        assert tok.decode(p.ids).endswith(ev.ANSWER_PREFIX)
+    assert len({t.offset for t in plan}) > 3
+
+
+def test_haystack_filler_wraps_with_sentence_starts():
+    tok = CharTokenizer()
+    hay = ev.prepare_haystack(tok, "s", "Ab. Cd. ")
+    assert hay.ends == [0, 3, 7]  # the text's start, after "Ab." and after "Cd."
+    ids, ends = hay.filler(3, 12)
+    assert tok.decode(ids) == " Cd. Ab. Cd."
+    assert ends == [0, 4, 5, 8, 12]
+    with pytest.raises(ValueError, match="at least 2"):
+        ev.prepare_haystack(tok, "tiny", "x")
+
+
+def test_plan_rejects_bad_input():
+    tok = CharTokenizer()
+    hays = [ev.prepare_haystack(tok, "a", TEXT_A)]
+    with pytest.raises(ValueError, match="trials"):
+        ev.plan_needle_trials(tok, hays, (300,), (0.5,), 0)
+    with pytest.raises(ValueError, match="depth"):
+        ev.plan_needle_trials(tok, hays, (300,), (1.5,), 2)
+    with pytest.raises(ValueError, match="too short"):
+        ev.plan_needle_trials(tok, hays, (60,), (0.5,), 1, chat=False)
+    with pytest.raises(ValueError, match="no haystack"):
+        ev.plan_needle_trials(tok, [], (300,), (0.5,), 1)
+
+
+def test_wilson_interval_known_values():
+    lo, hi = ev.wilson_interval(5, 10)
+    assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
+    # 0 of 60: the upper bound is z^2 / (n + z^2)
+    lo, hi = ev.wilson_interval(0, 60)
+    assert lo == 0.0 and hi == pytest.approx(1.96**2 / (60 + 1.96**2))
+    lo, hi = ev.wilson_interval(60, 60)
+    assert hi == pytest.approx(1.0) and lo == pytest.approx(60 / (60 + 1.96**2))
+    assert ev.wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        ev.wilson_interval(3, 2)
+
+
+def test_mcnemar_exact():
+    assert ev.mcnemar_p(0, 0) == 1.0
+    assert ev.mcnemar_p(0, 6) == pytest.approx(2 / 64)
+    assert ev.mcnemar_p(4, 1) == pytest.approx(2 * 6 / 32)
+    assert ev.mcnemar_p(3, 3) == 1.0
+
+
+def test_paired_counts_constructed():
+    ref = [1, 1, 1, 0, 0, 1, 1]
+    other = [1, 0, 1, 1, 0, 0, 1]
+    p = ev.paired_counts([bool(x) for x in ref], [bool(x) for x in other])
+    assert (p["n"], p["both"], p["ref_only"], p["other_only"], p["neither"]) == (7, 3, 2, 1, 1)
+    assert p["missed_of_ref"] == pytest.approx(2 / 5)
+    assert p["missed_of_ref_ci"] == list(ev.wilson_interval(2, 5))
+    assert p["mcnemar_p"] == pytest.approx(ev.mcnemar_p(2, 1))
+    with pytest.raises(ValueError):
+        ev.paired_counts([True], [True, False])
+
+
+def test_margin_drop_constructed():
+    m = ev.margin_drop([3.0, 2.0, 4.0], [2.0, 2.5, 1.0])
+    assert m["n"] == 3 and m["mean"] == pytest.approx(3.5 / 3)
+    assert m["se"] == pytest.approx(np.std([1.0, -0.5, 3.0], ddof=1) / np.sqrt(3))
+    assert ev.margin_drop([], []) is None and ev.margin_drop([1.0], [0.5])["se"] is None
+    with pytest.raises(ValueError):
+        ev.margin_drop([1.0], [])
+
+
+def _record(i, length, depth, hits):
+    return {"index": i, "length": length, "depth": depth, "text": "a", "offset": 0, "passkey": str(10000 + i),
+            "actual_depth": depth,
+            "results": {n: {"hit": h, "answer": "", "margins": [9.0, 2.0 + i + (n == "fp")]} for n, h in hits.items()}}
+
+
+def test_summary_per_length_and_depth():
+    recs = [
+        _record(0, 2048, 0.1, {"fp": True, "oiq-4": False}),
+        _record(1, 2048, 0.9, {"fp": True, "oiq-4": True}),
+        _record(2, 4096, 0.1, {"fp": False, "oiq-4": True}),
+        _record(3, 4096, 0.9, {"fp": True, "oiq-4": True}),
+        _record(4, 4096, 0.1, {"fp": False, "oiq-4": False}),
+    ]
+    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    assert s["fp"]["all"]["hits"] == 3 and s["fp"]["all"]["n"] == 5
+    assert s["fp"]["all"]["ci"] == list(ev.wilson_interval(3, 5))
+    assert s["oiq-4"]["by_length"]["2048"]["hits"] == 1 and s["oiq-4"]["by_length"]["4096"]["hits"] == 2
+    assert s["oiq-4"]["by_depth"]["0.1"]["hits"] == 1 and s["oiq-4"]["by_depth"]["0.9"]["n"] == 2
+    p = s["oiq-4"]["paired"]
+    assert (p["both"], p["ref_only"], p["other_only"], p["neither"]) == (2, 1, 1, 1)
+    assert s["oiq-4"]["paired_by_length"]["2048"]["ref_only"] == 1
+    assert s["oiq-4"]["paired_by_length"]["4096"]["other_only"] == 1
+    assert "paired" not in s["fp"]
+    # trials 1 and 3 both hit; fp's smallest margins are 1 larger
+    assert s["oiq-4"]["margin_drop"] == {"n": 2, "mean": pytest.approx(1.0), "se": pytest.approx(0.0)}
+
+
+def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
+    """A stand-in for the model answers with the prompt's passkey, except that
+    oiq-4 misses needles in the first 30% of the haystack and fp misses those
+    past 70% (depth 1 puts the needle at the last sentence start): the records, the paired counts and the report must say exactly that."""
+    tok = CharTokenizer()
+    calls = []
+
+    def answers(model, tokenizer, ids, specs, **kw):
+        text = tokenizer.decode(ids)
+        key = text.split("The pass key is ")[1][:5]
+        needle = ev.NEEDLE_TEMPLATE.format(key=key)
+        depth = text.index(needle) / (text.index(ev.QUESTION) - len(needle))
+        calls.append(key)
+        wrong = {"oiq-4": depth < 0.3, "fp": depth > 0.7}
+        return {s.name: {"answer": f" {int(key) + 1 if wrong[s.name] else key}.", "margins": [1.0], "seconds": 0.0}
+                for s in specs}
+
+    monkeypatch.setattr(ev, "trial_answers", answers)
+    hays = [ev.prepare_haystack(tok, "a", TEXT_A), ev.prepare_haystack(tok, "b", TEXT_B)]
+    specs = [parse_spec("fp"), parse_spec("oiq-4")]
+    kw = dict(haystacks=hays, lengths=(600, 1200), depths=(0.0, 0.5, 1.0), trials=4, seed=2, chat=False)
+    seen = []
+    res = ev.needle_stats(None, tok, specs, checkpoint=lambda r: seen.append(r["completed"]), **kw)
+    assert res["completed"] == res["planned"] == 24 and seen == list(range(1, 25))
+    by_depth = {d: [r for r in res["records"] if r["depth"] == d] for d in (0.0, 0.5, 1.0)}
+    assert all(not r["results"]["oiq-4"]["hit"] and r["results"]["fp"]["hit"] for r in by_depth[0.0])
+    assert all(r["results"]["oiq-4"]["hit"] and not r["results"]["fp"]["hit"] for r in by_depth[1.0])
+    p = res["summary"]["oiq-4"]["paired"]
+    assert (p["both"], p["ref_only"], p["other_only"], p["neither"]) == (8, 8, 8, 0)
+    assert res["summary"]["fp"]["all"]["hits"] == 16
+    md = ev.needle_stats_markdown(res)
+    assert "| oiq-4 |" in md and "8/16" in md
+    assert md.count("\n- #") == 16  # every discordant trial listed
+    json.dumps(res)
+
+    # resuming keeps finished trials and runs only the missing ones
+    calls.clear()
+    part = res["records"][:10]
+    res2 = ev.needle_stats(None, tok, specs, done=part, **kw)
+    assert len(calls) == 14 and res2["records"] == res["records"]
+    other_plan = dict(kw, seed=3)
+    with pytest.raises(ValueError, match="differs from this plan"):
+        ev.needle_stats(None, tok, specs, done=part, **other_plan)
+
+
+def tiny_llama(seed=0):
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0,
+        tie_word_embeddings=True,
+    )
+    model = llama.Model(args)
+    # larger embeddings so that greedy answers depend on the context
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 8
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("length, step", [(150, 64), (150, 512), (300, 100)])
+def test_shared_first_chunk_gives_generate_steps_answers(length, step):
+    """The first chunk computed once in fp and replayed into each cache, then
+    the rest through generate_step, gives the caches generate_step builds from
+    the whole prompt: same stored OIQ state, same answers and margins."""
+    model, tok = tiny_llama(), CharTokenizer()
+    ids = tok.encode((TEXT_A * 3)[:length])
+    specs = [parse_spec("fp"), parse_spec("oiq-4"), parse_spec("oiq-2"), parse_spec("mlx-q4-g32")]
+    shared = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step)
+    alone = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=False)
+    for n in shared:
+        assert shared[n]["answer"] == alone[n]["answer"], n
+        np.testing.assert_allclose(shared[n]["margins"], alone[n]["margins"], atol=2e-3, err_msg=n)
+
+    n1 = min(step, length - 1)
+    _, log = ev.record_first_chunk(model, ids, n1)
+    replayed = ev.replay_first_chunk(parse_spec("oiq-4").make_cache(model), log)
+    direct = parse_spec("oiq-4").make_cache(model)
+    model(mx.array(ids[:n1])[None], cache=direct)
+    for a, b in zip(replayed, direct):
+        assert isinstance(a, OIQKVCache) and a.offset == b.offset == n1
+        for x, y in zip(a.dequantized_kv(), b.dequantized_kv()):
+            np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
+
+
+def test_record_first_chunk_restores_the_cache_methods():
+    model = tiny_llama()
+    cache, log = ev.record_first_chunk(model, list(range(40)), 30)
+    assert all(k.shape[2] == 30 for k, _ in log)
+    assert all("update_and_fetch" not in vars(c) for c in cache)
+    assert all(c.offset == 30 for c in cache)
+
+
+def test_record_first_chunk_refuses_shared_layers():
+    """A model that writes one cache twice per pass cannot have its chunk replayed."""
+    model = tiny_llama()
+
+    class Shared:
+        layers = model.layers
+
+        def __call__(self, inputs, cache=None):
+            return model(inputs, cache=[cache[0], cache[0]])
+
+    with pytest.raises(ValueError, match="written twice"):
+        ev.record_first_chunk(Shared(), list(range(20)), 10)
+
+
+def test_script_rejects_bad_options():
+    for args, msg in ((["--trials", "0"], "--trials"), (["--depths", "0.5,2"], "--depths"),
+                      (["--resume"], "--resume needs --json"), (["--texts", "/nonexistent.txt"], "cannot read"),
+                      (["--caches", "fp,nonsense-9"], "nonsense")):
+        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "needle_stats.py"), *args],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, args
+        assert msg in out.stderr, (args, out.stderr)
+
+
+@pytest.mark.slow
+def test_script_end_to_end_on_smollm2(tmp_path):
+    out_json, out_md = tmp_path / "n.json", tmp_path / "n.md"
+    texts = tmp_path / "t1.txt"
+    texts.write_text(ev.load_text(None)[20000:40000], encoding="utf-8")
+    cmd = [sys.executable, str(ROOT / "scripts" / "needle_stats.py"), "--lengths", "160", "--depths", "0.5",
+           "--trials", "2", "--caches", "fp,oiq-4", "--texts", str(texts), "--json", str(out_json),
+           "--markdown", str(out_md)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out_json.read_text())
+    assert res["completed"] == 2 and res["texts"] == {"t1": res["texts"]["t1"]}
+    assert res["summary"]["fp"]["all"]["hits"] == 2  # SmolLM2 finds a passkey in 160 tokens
+    assert "| oiq-4 |" in out_md.read_text()
+    again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "trial 1/" not in again.stderr
+    assert json.loads(out_json.read_text())["records"] == res["records"]
