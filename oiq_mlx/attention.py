@@ -115,7 +115,6 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         return mx.zeros((B, n_q, 0, v.head_dim), queries.dtype)
     if cache.offset == 0:
         raise ValueError(f"{L} queries have no key to attend to: the cache holds 0 tokens")
-    rep = n_q // n_kv
     segments = cache.attention_segments()
     cache.release_fresh()
     fused = decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments)

@@ -1,6 +1,9 @@
-"""Small random-weight mlx-lm models and reference attention for tests."""
+"""Small random-weight mlx-lm models, reference attention and toy inputs for tests."""
+
+import struct
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models import gemma3_text, llama
 
 
@@ -54,3 +57,39 @@ def reference_attention(q, k, v, scale, causal=True):
     if causal and L > 1:
         s = mx.where(mx.arange(T - L, T)[:, None] >= mx.arange(T)[None], s, -mx.inf)
     return mx.softmax(s, axis=-1, precise=True) @ v
+
+
+class CharTokenizer:
+    """Byte-level toy tokenizer with the methods the needle harnesses use."""
+
+    bos_token_id = None
+    eos_token_ids = ()
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids):
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def write_tiny_gguf(path, *, arch="llama", tensor_type=None):
+    """A small but complete GGUF file (header, metadata, one F32 tensor) at ``path``;
+    ``tensor_type`` overwrites the tensor's type id."""
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if tensor_type is not None:
+        data = bytearray(path.read_bytes())
+        name = b"output_norm.weight"
+        # name, n_dims (u32), dims (u64 each), then the type id (u32)
+        at = data.index(name) + len(name) + 4 + 8
+        data[at : at + 4] = struct.pack("<I", tensor_type)
+        path.write_bytes(bytes(data))
+    return path

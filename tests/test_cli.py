@@ -6,10 +6,10 @@ import warnings
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from helpers import write_tiny_gguf
 from oiq_mlx import OIQConfig, OIQKVCache, models
 from oiq_mlx.cli import memory_line, run
 
@@ -31,20 +31,6 @@ def _assert_usage_error(r, message):
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert "oiq-generate: error: " in r.stderr and message in r.stderr, r.stderr
-
-
-def _tiny_gguf(path):
-    """A small but complete GGUF file (header, metadata, one tensor)."""
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 def test_cli_help_lists_every_option():
@@ -94,13 +80,13 @@ def test_directory_that_is_not_a_model(tmp_path):
 
 
 def test_gguf_with_truncated_header(tmp_path):
-    path = _tiny_gguf(tmp_path / "t.gguf")
+    path = write_tiny_gguf(tmp_path / "t.gguf")
     path.write_bytes(path.read_bytes()[:20])
     _assert_usage_error(_cli("--model", str(path), "-p", "hi"), "GGUF header truncated or corrupt")
 
 
 def test_gguf_one_byte_short(tmp_path):
-    path = _tiny_gguf(tmp_path / "t.gguf")
+    path = write_tiny_gguf(tmp_path / "t.gguf")
     path.write_bytes(path.read_bytes()[:-1])
     _assert_usage_error(
         _cli("--model", str(path), "-p", "hi"), "tensor 'output_norm.weight' ends at byte"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
+from helpers import CharTokenizer
 from oiq_mlx import evaluation as ev
 from oiq_mlx.cache import OIQKVCache
 from oiq_mlx.specs import parse_spec, split_spec_list
@@ -29,20 +30,6 @@ def tiny_llama(seed=0, layers=2, head_dim=32, vocab=128):
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
-
-
-class CharTokenizer:
-    """Byte-level toy tokenizer with the methods the needle harness uses."""
-
-    bos_token_id = None
-    eos_token_ids = ()
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
 def _tokens(n, vocab=128, seed=1):

@@ -7,16 +7,15 @@ on the CPU backend; preload OpenBLAS (``oiq_mlx`` does it when it can).
 
 import math
 import os
-import struct
 from pathlib import Path
 
 import oiq_mlx  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 
+from helpers import write_tiny_gguf
 from oiq_mlx import models
 from oiq_mlx.gguf import GGUFError, GGUFFile, build_tokenizer, metal_available
 
@@ -65,27 +64,6 @@ def gemma3(gemma3_path):
     return models.load(gemma3_path)
 
 
-def _write_gguf(path, *, arch="llama", tensor_type=None):
-    """A tiny GGUF with one F32 tensor; ``tensor_type`` overwrites its type id."""
-    from gguf import GGUFWriter
-
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    if tensor_type is not None:
-        data = bytearray(path.read_bytes())
-        name = b"output_norm.weight"
-        # name, n_dims (u32), dims (u64 each), then the type id (u32)
-        at = data.index(name) + len(name) + 4 + 8
-        data[at : at + 4] = struct.pack("<I", tensor_type)
-        path.write_bytes(bytes(data))
-    return path
-
-
 # ---------------------------------------------------------------- errors and data
 
 
@@ -102,19 +80,19 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    path = _write_gguf(tmp_path / "mamba.gguf", arch="mamba")
+    path = write_tiny_gguf(tmp_path / "mamba.gguf", arch="mamba")
     with pytest.raises(GGUFError, match="unsupported GGUF architecture 'mamba'"):
         models.load(path)
 
 
 def test_unknown_tensor_type_is_named(tmp_path):
-    path = _write_gguf(tmp_path / "odd.gguf", tensor_type=250)
+    path = write_tiny_gguf(tmp_path / "odd.gguf", tensor_type=250)
     with pytest.raises(GGUFError, match="unknown tensor type id 250"):
         models.load(path)
 
 
 def test_truncated_header_is_named(tmp_path):
-    full = _write_gguf(tmp_path / "full.gguf").read_bytes()
+    full = write_tiny_gguf(tmp_path / "full.gguf").read_bytes()
     path = tmp_path / "t.gguf"
     for cut in (6, 20, 60):  # inside the version, the counts, the metadata
         path.write_bytes(full[:cut])
@@ -123,7 +101,7 @@ def test_truncated_header_is_named(tmp_path):
 
 
 def test_tensor_past_the_end_is_named(tmp_path):
-    path = _write_gguf(tmp_path / "t.gguf")
+    path = write_tiny_gguf(tmp_path / "t.gguf")
     path.write_bytes(path.read_bytes()[:-1])
     with pytest.raises(GGUFError, match="tensor 'output_norm.weight' ends at byte .* past the end of the file"):
         models.load(path)
@@ -131,7 +109,7 @@ def test_tensor_past_the_end_is_named(tmp_path):
 
 def test_resolve_model_names(tmp_path):
     assert models.resolve_model("mlx-community/SmolLM2-135M-Instruct") == "mlx-community/SmolLM2-135M-Instruct"
-    gguf_path = _write_gguf(tmp_path / "m.gguf")
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf")
     assert models.resolve_model(gguf_path) == str(gguf_path)
     (tmp_path / "mlx_model").mkdir()
     (tmp_path / "mlx_model" / "config.json").write_text("{}")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
+from helpers import CharTokenizer
 from oiq_mlx import evaluation as ev
 from oiq_mlx.cache import OIQKVCache
 from oiq_mlx.specs import parse_spec
@@ -20,20 +21,6 @@ from oiq_mlx.specs import parse_spec
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_A = "It was a truth universally acknowledged. She smiled! Did he know? " * 40
 TEXT_B = "The rain fell on the moor for three days and nights. Nobody came. " * 30
-
-
-class CharTokenizer:
-    """Byte-level toy tokenizer."""
-
-    bos_token_id = None
-    eos_token_ids = ()
-    chat_template = None
-
-    def encode(self, text, add_special_tokens=True):
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids):
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
 class WordTokenizer:
