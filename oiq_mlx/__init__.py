@@ -5,7 +5,8 @@ transform, quantized per group with one float16 scale, and packed into uint32
 words; attention rotates the query instead of un-rotating keys.
 """
 
-from ._platform import preload_openblas
+
+from ._platform import preload_openblas  # noqa: E402
 
 preload_openblas()
 

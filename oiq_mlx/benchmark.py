@@ -29,16 +29,19 @@ import sys
 import time
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import trace
+from . import __version__, trace
+from ._platform import openblas_path
 from .attention import oiq_attention
 from .cache import OIQKVCache
 from .config import OIQConfig
 from .integration import install
+from .models import default_text
 from .specs import CacheSpec, parse_spec
 
 MLX_QUANTIZED_KV_START = 0  # quantize from the first prefill chunk on (mlx_lm's default start is 5000)
@@ -159,11 +162,6 @@ def _log(progress, msg):
 
 def environment() -> dict:
     """Machine, backend and versions, for the JSON record."""
-    import mlx_lm
-
-    from . import __version__
-    from ._platform import openblas_path
-
     metal = bool(mx.metal.is_available())
     return {
         "machine": {
@@ -196,8 +194,6 @@ def _start_peak() -> int:
 def prompt_tokens(tokenizer, n: int, text: str | None = None) -> list[int]:
     """The first ``n`` tokens of ``text`` (default: the vendored Austen excerpt), repeated as needed."""
     if text is None:
-        from .models import default_text
-
         text = default_text()
     ids = list(tokenizer.encode(text))
     if not ids:

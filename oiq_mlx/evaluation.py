@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx_lm
 import numpy as np
 from mlx_lm.generate import generate_step
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -48,7 +49,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from .attention import oiq_attention
 from .cache import OIQKVCache, layer_seed
 from .config import OIQConfig
-from . import models
+from . import __version__, _platform, models
 from .integration import install, model_head_dim, oiq_layer_indices
 from .rotation import random_signs, rotate
 from .specs import CacheSpec, cache_registry, parse_spec  # noqa: F401 (cache_registry: for the scripts)
@@ -992,17 +993,11 @@ def load_model(name: str):
 
 def load_text(path: str | None) -> str:
     if path is None:
-        from . import models
-
         return models.default_text()
     return Path(path).read_text(encoding="utf-8")
 
 
 def environment() -> dict:
-    import mlx_lm
-
-    from . import __version__, _platform
-
     metal = mx.metal.is_available()
     return {
         "oiq_mlx": __version__,

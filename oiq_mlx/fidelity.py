@@ -26,6 +26,7 @@ import dataclasses
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import qwen2
 
 from . import evaluation
 from .integration import install, model_head_dim, oiq_layer_indices
@@ -142,8 +143,6 @@ def tiny_qwen2(head_dim: int = 64, n_heads: int = 4, n_kv_heads: int = 2, layers
     key-channel RMS (the rest of its biases random and small, as trained).
     ``sharpen`` multiplies the q/k projections so that attention is peaked,
     not near-uniform as with a plain random init."""
-    from mlx_lm.models import qwen2
-
     mx.random.seed(seed)
     args = qwen2.ModelArgs(
         model_type="qwen2",

