@@ -81,8 +81,9 @@ class OIQConfig:
         group_size: coordinates sharing one float16 scale: 32, 64 or 128.
         seed: seed of the random sign vectors (one per layer, stored with the cache).
         sink_tokens: the first S tokens of the sequence are kept in full precision.
-        window: the most recent W tokens are kept in full precision; older
-            tokens are quantized as they leave the window.
+        window: at least the most recent W tokens are kept in full precision;
+            older tokens are packed in blocks of ``min(16, W)`` as they leave the
+            window, so it holds W to W + 15 tokens (DESIGN.md section 13).
         quantize_after: nothing is quantized until the cache holds more than
             this many tokens (mlx-lm's ``quantized_kv_start``).
         clip: choose each group's scale by a per-group MSE search instead of
