@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import dispatch, rotation
-from .cache import pad_last
+from .cache import halves, pad_last
 from .codec import SUPPORTED_BITS
 from .kernels.decode_attention import decode_attention
 
@@ -54,19 +54,12 @@ def _prepare_queries(q, scale, lam, signs):
     return qs, qs * lam * signs
 
 
-# rows of _affine's output: k scales, v scales, k biases, v biases
-# (built whole, not as lazy reshapes: a lazy module constant belongs to the importing
-# thread's stream, and mlx-lm's server runs attention on its generation thread)
-_AFFINE_ROWS = tuple(mx.array(np.array([i == j for i in range(4)]).reshape(4, 1, 1, 1, 1)) for j in range(3))
-
-
 @functools.partial(mx.compile, shapeless=True)
-def _affine(ks, vs, k_half, v_half, first, second, third):
-    """float32 scales and ``mx.quantized_matmul`` biases of both sides' packed
-    segments ``(1, B, H, T, groups)`` in one elementwise pass: ``(4, B, H, T,
-    groups)`` = k scales, v scales, k biases, v biases."""
-    a, b = ks.astype(mx.float32), vs.astype(mx.float32)
-    return mx.where(first, a, mx.where(second, b, mx.where(third, a * k_half, b * v_half)))
+def _affine(scales, half):
+    """float32 scales and ``mx.quantized_matmul`` biases (``half`` times the scale) of
+    packed rows from their float16 scales: one fused pass with two outputs."""
+    s = scales.astype(mx.float32)
+    return s, s * half
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,11 +71,6 @@ def _combine(dtype):
         return (sink + window + packed * signs + mean).astype(dtype)
 
     return mx.compile(combine, shapeless=True)
-
-
-def unstack(a: mx.array):
-    """The rows of ``a`` along its first axis as views (indexing would gather)."""
-    return [a[i : i + 1].reshape(a.shape[1:]) for i in range(a.shape[0])]
 
 
 def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:
@@ -229,7 +217,7 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
 
     ``qs``: queries times the softmax scale; ``qr``: the same times the key scales,
     rotated (what the packed keys are scored with); both ``(B, n_q, L, k_dim)``.
-    Returns ``(sink, window, packed)``, each ``(B, n_q, L, v_dim)`` float32 or
+    Returns ``(sink, window, packed)``, each ``(B, n_kv, rep * L, v_dim)`` float32 or
     None: the shares of the output of the sinks and the window (centered) and
     of the packed segment (still rotated).
     """
@@ -238,27 +226,28 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
     sink_k, sink_v, quant, recent_k, recent_v = cache.attention_segments() if segments is None else segments
     n_kv = k.sink.shape[1]
     rep = n_q // n_kv
-    qg = qs.reshape(B, n_kv, rep, L, dq)
+    # a KV head's rep x L queries as the rows of one matrix: every product is a plain batched
+    # matmul over (B, n_kv) against the stored arrays as they are (no broadcast axis, which the
+    # CPU backend's quantized matmul serves markedly slower)
+    qg = qs.reshape(B, n_kv, rep * L, dq)
     parts = []
     if sink_k is not None:
-        parts.append(qg @ mx.expand_dims(sink_k, 2).swapaxes(-1, -2))
+        parts.append(qg @ sink_k.swapaxes(-1, -2))
     if quant is not None:
         kc, ks, vc, vs = quant
-        if ks.shape == vs.shape:
-            ks, vs, kb, vb = unstack(_affine(ks[None], vs[None], _HALF[k.bits], _HALF[v.bits], *_AFFINE_ROWS))
+        pair = cache.packed_scales(kc.shape[2]) if k.bits == v.bits else None
+        if pair is not None:
+            # keys' and values' scales share one buffer: one conversion for both
+            (ks, vs), (kb, vb) = (halves(x) for x in _affine(pair, _HALF[k.bits]))
         else:
-            ks, _, kb, _ = unstack(_affine(ks[None], ks[None], _HALF[k.bits], _HALF[k.bits], *_AFFINE_ROWS))
-            vs, _, vb, _ = unstack(_affine(vs[None], vs[None], _HALF[v.bits], _HALF[v.bits], *_AFFINE_ROWS))
-        parts.append(
-            mx.quantized_matmul(
-                qr.reshape(B, n_kv, rep, L, dq), kc[:, :, None], ks[:, :, None], kb[:, :, None],
-                transpose=True, group_size=gs, bits=k.bits,
-            )
-        )
+            (ks, kb), (vs, vb) = _affine(ks, _HALF[k.bits]), _affine(vs, _HALF[v.bits])
+        parts.append(mx.quantized_matmul(qr.reshape(B, n_kv, rep * L, dq), kc, ks, kb, transpose=True,
+                                         group_size=gs, bits=k.bits))
     if recent_k is not None:
-        parts.append(qg @ mx.expand_dims(recent_k, 2).swapaxes(-1, -2))
+        parts.append(qg @ recent_k.swapaxes(-1, -2))
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     T = scores.shape[-1]
+    scores = scores.reshape(B, n_kv, rep, L, T)
     m = _gqa_mask(mask, n_kv, rep, L, T)
     if m is not None:
         if m.dtype == mx.bool_:
@@ -269,26 +258,25 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
         sink_logits = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, n_kv, rep, 1, 1), (B, n_kv, rep, L, 1))
         if k.mean is not None:
             # centered keys shift every score by -q.mean; the sink logit must follow
-            sink_logits = sink_logits - mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1, keepdims=True)
+            qm = qg.reshape(B, n_kv, rep, L, dq) * mx.expand_dims(k.mean, 2)
+            sink_logits = sink_logits - mx.sum(qm, axis=-1, keepdims=True)
         scores = mx.concatenate([sink_logits, scores], axis=-1)
         p = mx.softmax(scores, axis=-1, precise=True)[..., 1:]
     else:
         p = mx.softmax(scores, axis=-1, precise=True)
+    p = p.reshape(B, n_kv, rep * L, T)
     sink = window = packed = None
     i = 0
     if sink_v is not None:
         n = sink_v.shape[2]
-        sink = p[..., i : i + n] @ mx.expand_dims(sink_v, 2)
+        sink = p[..., i : i + n] @ sink_v
         i += n
     if quant is not None:
         n = vc.shape[2]
-        packed = mx.quantized_matmul(
-            p[..., i : i + n], vc[:, :, None], vs[:, :, None], vb[:, :, None],
-            transpose=False, group_size=gs, bits=v.bits,
-        )
+        packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, vb, transpose=False, group_size=gs, bits=v.bits)
         i += n
     if recent_v is not None:
-        window = p[..., i:] @ mx.expand_dims(recent_v, 2)
+        window = p[..., i:] @ recent_v
     return sink, window, packed
 
 

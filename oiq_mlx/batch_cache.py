@@ -34,10 +34,10 @@ def detached_copy(cache):
     """
     new = copy.copy(cache)
     new.k, new.v = copy.copy(cache.k), copy.copy(cache.v)
-    for side in (new.k, new.v):
-        for name, value in vars(side).items():
+    for holder in (new, new.k, new.v):
+        for name, value in vars(holder).items():
             if isinstance(value, mx.array):
-                setattr(side, name, value[...])
+                setattr(holder, name, value[...])
     return new
 
 

@@ -3,8 +3,8 @@
 Token positions of one layer fall into three segments, in temporal order:
 
 * ``[0, S)``: sink tokens, full precision (``sink_tokens``);
-* ``[S, q_end)``: packed codes + float16 group scales of the rotated vectors
-  (DESIGN.md section 3);
+* ``[S, q_end)``: packed rows of the rotated vectors, codes then float16 group
+  scales in one uint32 row per vector (``codec.join_rows``; DESIGN.md section 3);
 * ``[q_end, offset)``: the recent window, full precision (``window`` to
   ``window + block - 1`` tokens, see :meth:`OIQKVCache.packed_end`; everything
   while ``offset <= quantize_after``).
@@ -18,9 +18,12 @@ un-rotates only the packed segment's share of the output (``attention.py``).
 The full-precision buffer also keeps ``trim_reserve`` tokens (rounded up to
 whole blocks) that were already quantized, so ``trim`` of up to that many
 tokens restores the exact state a cache that never saw them has.
-Attention reads :meth:`OIQKVCache.attention_segments`, in which the tokens of
-the current ``update_and_fetch`` are full precision even when the call (a
-prompt longer than the window) already quantized them.
+Keys and values of equal width share buffers, stacked on a new first axis
+(``cache.k`` / ``cache.v`` hold views), so a step writes the window once and a
+packed block once (DESIGN.md section 13).
+Attention reads :meth:`OIQKVCache.attention_segments`, in which the rows the
+current ``update_and_fetch`` found in the window, and its own rows, are full
+precision even when the call already packed them.
 
 Cache files: :attr:`OIQKVCache.state` (what ``save_prompt_cache`` writes)
 carries a format version and a digest of its metadata; :meth:`from_state`
@@ -48,14 +51,11 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import dispatch
 from .batch_cache import BatchOIQKVCache, detached_copy
-from .codec import _FP16_MAX, bytes_per_token, dequantize
+from .codec import _FP16_MAX, bytes_per_token, dequantize, join_rows, split_rows
 from .config import OIQConfig
 from .rotation import random_signs, rotate, unrotate
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-# Flushes of at most this many rows quantize keys and values in one call
-# (decode); larger ones (prefill) skip the concatenation copy.
-_STACK_MAX_ROWS = 64
 
 
 def layer_seed(seed: int, layer_idx: int, which: int) -> int:
@@ -76,18 +76,25 @@ def pad_last(x: mx.array, dim: int) -> mx.array:
     return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
 
 
-def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, batch_heads, limit: int | None = None):
-    """Return ``buf`` with capacity >= needed (a multiple of ``step``, at most
-    ``limit``), keeping its first ``used`` rows."""
-    if buf is not None and needed <= buf.shape[2]:
+def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, lead, limit: int | None = None):
+    """Return ``buf`` ``(*lead, rows, *shape_tail)`` with capacity >= needed rows (a
+    multiple of ``step``, at most ``limit``), keeping its first ``used`` rows."""
+    axis = len(lead)
+    if buf is not None and needed <= buf.shape[axis]:
         return buf
     cap = -(-needed // step) * step
     if limit is not None:
         cap = min(cap, limit)
-    new = mx.zeros((*batch_heads, cap, *shape_tail), dtype)
+    new = mx.zeros((*lead, cap, *shape_tail), dtype)
     if buf is not None and used:
-        new[:, :, :used] = buf[:, :, :used]
+        rows = (slice(None),) * axis + (slice(0, used),)
+        new[rows] = buf[rows]
     return new
+
+
+def halves(a: mx.array):
+    """The two rows of ``a`` along its first axis (keys, values) as views."""
+    return a[0:1].reshape(a.shape[1:]), a[1:2].reshape(a.shape[1:])
 
 
 class SideStorage:
@@ -95,8 +102,9 @@ class SideStorage:
 
     Public for the modules that read a cache (attention, evaluation, benchmarks):
     ``bits``, ``dim`` / ``head_dim``, ``signs``, ``rotated``, ``mean`` (``m``,
-    un-rotated, or None), ``lam`` (key scales or None), ``codes`` / ``scales``
-    (packed segment, capacity-sized), ``sink`` / ``recent`` (full precision,
+    un-rotated, or None), ``lam`` (key scales or None), ``rows`` (packed segment,
+    capacity-sized, ``codec.join_rows``) and its views ``codes`` / ``scales``,
+    ``sink`` / ``recent`` (full precision,
     ``x - m``), and the domain maps :meth:`packed_to_window` /
     :meth:`window_to_packed`.  Only the cache writes them.
     """
@@ -107,12 +115,22 @@ class SideStorage:
         self.head_dim = self.dim = None
         self.signs = self.mean = self.lam = None
         self.rotated = True
-        self.codes = self.scales = None
+        self.rows = None
         self.sink = None
         self.recent = None
 
     def init(self, x: mx.array, signs: mx.array, dim: int, rotated: bool):
         self.head_dim, self.dim, self.signs, self.rotated = x.shape[-1], dim, signs, rotated
+
+    @property
+    def codes(self):
+        """Packed codes ``(B, H, capacity, W)`` uint32: a view of :attr:`rows`, or None."""
+        return None if self.rows is None else split_rows(self.rows, self.dim, self.bits, self.group_size)[0]
+
+    @property
+    def scales(self):
+        """Group scales ``(B, H, capacity, groups)`` float16: a view of :attr:`rows`, or None."""
+        return None if self.rows is None else split_rows(self.rows, self.dim, self.bits, self.group_size)[1]
 
     def rotate(self, x: mx.array) -> mx.array:
         return rotate(x, self.signs) if self.rotated else x.astype(mx.float32)
@@ -172,7 +190,7 @@ class SideStorage:
         self.mean = m
 
     def nbytes(self) -> int:
-        arrays = (self.codes, self.scales, self.sink, self.recent, self.mean, self.signs, self.lam)
+        arrays = (self.rows, self.sink, self.recent, self.mean, self.signs, self.lam)
         return sum(a.nbytes for a in arrays if a is not None)
 
 
@@ -226,10 +244,13 @@ class OIQKVCache(_BaseCache):
         self.q_end = self.config.sink_tokens
         self.recent_start = self.config.sink_tokens
         self.dtype = None
-        # this call's keys/values in full precision, kept only when some of
-        # them were quantized before attention reads them (see attention_segments)
-        self._fresh = None
+        # first position the current call attends in full precision (attention_segments)
+        self._attend_from = None
         self._stacked = None
+        # keys and values of equal width are stored stacked on a new first axis, (2, B, H,
+        # rows, .), and self.k / self.v hold views of them: a decode step writes the window
+        # once, and a packed block once (codes and scales joined in one row, codec.join_rows)
+        self._kv_recent = self._kv_rows = None
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
         self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
@@ -272,43 +293,59 @@ class OIQKVCache(_BaseCache):
         cfg, start, L = self.config, self.offset, keys.shape[2]
         if L == 0:
             # as mlx-lm's KVCache: an empty update stores nothing (and estimates nothing)
-            self._fresh = None
+            self._attend_from = None
             return self, self
         bh = tuple(keys.shape[:2])
+        # rows from here on (the window as this call finds it, and the call's own rows) are
+        # attended in full precision by this call's queries, even those the call packs
+        self._attend_from = max(self.q_end, cfg.sink_tokens)
         n_sink = max(0, min(cfg.sink_tokens, start + L) - start)
         if L > n_sink:
             self._reserve_recent(start + L, bh)
-        fresh = self._to_window(keys, values, n_sink)
-        for side, y in zip((self.k, self.v), fresh):
+        k_rows, v_rows, both = self._to_window(keys, values, n_sink)
+        for side, y in ((self.k, k_rows), (self.v, v_rows)):
             if n_sink:
                 side.sink = _grow(side.sink, start, start + n_sink, self.step, (side.dim,), self.dtype, bh,
                                   limit=cfg.sink_tokens)
                 side.sink[:, :, start : start + n_sink] = y[:, :, :n_sink]
-            if L > n_sink:
-                a = start + n_sink - self.recent_start
-                side.recent[:, :, a : a + L - n_sink] = y[:, :, n_sink:]
+        if L > n_sink:
+            a = start + n_sink - self.recent_start
+            if self._kv_recent is not None:
+                # keys and values stacked: one write, as KVCache's one per side
+                self._kv_recent[:, :, :, a : a + L - n_sink] = both[:, :, :, n_sink:]
+                self.k.recent, self.v.recent = halves(self._kv_recent)
+            else:
+                for side, y in ((self.k, k_rows), (self.v, v_rows)):
+                    side.recent[:, :, a : a + L - n_sink] = y[:, :, n_sink:]
         self.offset = start + L
         self._flush(bh)
-        self._fresh = (start, *fresh) if self.q_end > max(start, cfg.sink_tokens) else None
         return self, self
 
     def _to_window(self, keys: mx.array, values: mx.array, skip: int):
         """New keys and values as the window stores them: padded, minus the side's mean
         (estimated on the first chunk, its first ``skip`` tokens left out), in the
-        cache dtype.  Not rotated: only rows that get packed are (DESIGN.md section 13)."""
+        cache dtype.  Not rotated: only rows that get packed are (DESIGN.md section 13).
+        Returns ``(keys, values, both)``: ``both`` stacks them on a new first axis (one
+        elementwise pass) when their widths agree, else None."""
         k, v = self.k, self.v
         keys, values = pad_last(keys, k.dim), pad_last(values, v.dim)
         for side, x in ((k, keys), (v, values)):
             if side.needs_statistics:
                 side.estimate(x, skip)
-        if k.mean is None and v.mean is None:
-            return keys.astype(self.dtype), values.astype(self.dtype)
         if k.dim == v.dim:
             both = _center_pair(self.dtype)(keys[None], values[None], _ZERO if k.mean is None else k.mean,
                                             _ZERO if v.mean is None else v.mean, _SELECT_FIRST)
-            return both[0:1].reshape(both.shape[1:]), both[1:2].reshape(both.shape[1:])
-        return tuple(x.astype(self.dtype) if side.mean is None else _center_one(self.dtype)(x, side.mean)
-                     for side, x in ((k, keys), (v, values)))
+            return (*halves(both), both)
+        return (*(x.astype(self.dtype) if side.mean is None else _center_one(self.dtype)(x, side.mean)
+                  for side, x in ((k, keys), (v, values))), None)
+
+    def _keep_from(self) -> int:
+        """First position the full-precision buffer must keep: the trim reserve, and the
+        rows the current call attends in full precision."""
+        keep = self.q_end - self.reserve
+        if self._attend_from is not None:
+            keep = min(keep, self._attend_from)
+        return max(self.recent_start, keep)
 
     def _reserve_recent(self, end: int, bh):
         """Make the full-precision buffers hold positions up to ``end``,
@@ -319,14 +356,22 @@ class OIQKVCache(_BaseCache):
         self._compact(end, bh)
 
     def _compact(self, end: int, bh):
-        keep_from = max(self.recent_start, self.q_end - self.reserve)
+        keep_from = self._keep_from()
         drop, used = keep_from - self.recent_start, self.offset - self.recent_start
         cap = -(-(end - keep_from) // self.recent_step) * self.recent_step
-        for side in (self.k, self.v):
-            new = mx.zeros((*bh, cap, side.dim), self.dtype)
-            if side.recent is not None and used > drop:
-                new[:, :, : used - drop] = side.recent[:, :, drop:used]
-            side.recent = new
+        if self.k.dim == self.v.dim:
+            new = mx.zeros((2, *bh, cap, self.k.dim), self.dtype)
+            if self.k.recent is not None and used > drop:
+                old = self._kv_recent if self._kv_recent is not None else mx.stack([self.k.recent, self.v.recent])
+                new[:, :, :, : used - drop] = old[:, :, :, drop:used]
+            self._kv_recent = new
+            self.k.recent, self.v.recent = halves(new)
+        else:
+            for side in (self.k, self.v):
+                new = mx.zeros((*bh, cap, side.dim), self.dtype)
+                if side.recent is not None and used > drop:
+                    new[:, :, : used - drop] = side.recent[:, :, drop:used]
+                side.recent = new
         self.recent_start = keep_from
 
     def packed_end(self, offset: int) -> int:
@@ -354,6 +399,12 @@ class OIQKVCache(_BaseCache):
         whole blocks, since trimming one token can move the packed end back a block."""
         return -(-self.config.trim_reserve // self.block) * self.block
 
+    @property
+    def _pairs_packed(self) -> bool:
+        """Keys and values go through one quantize pass and share packed buffers."""
+        k, v = self.k, self.v
+        return (k.bits, k.dim, k.clip) == (v.bits, v.dim, v.clip)
+
     def _flush(self, bh):
         """Quantize the block(s) of tokens that left the full-precision window."""
         target = self.packed_end(self.offset)
@@ -362,31 +413,37 @@ class OIQKVCache(_BaseCache):
         s = self.config.sink_tokens
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - s, target - s
-        for side, (codes, scales) in zip((self.k, self.v), self._quantize_rows(a, b)):
-            side.codes = _grow(side.codes, qa, qb, self.step, codes.shape[-1:], mx.uint32, bh)
-            side.scales = _grow(side.scales, qa, qb, self.step, scales.shape[-1:], mx.float16, bh)
-            side.codes[:, :, qa:qb] = codes
-            side.scales[:, :, qa:qb] = scales
+        if self._pairs_packed:
+            # keys and values stacked: one quantize pass, one write
+            rows = self._quantize_rows(a, b)
+            self._kv_rows = _grow(self._kv_rows, qa, qb, self.step, rows.shape[-1:], mx.uint32, (2, *bh))
+            self._kv_rows[:, :, :, qa:qb] = rows
+            self.k.rows, self.v.rows = halves(self._kv_rows)
+        else:
+            for side, rows in zip((self.k, self.v), self._quantize_rows(a, b)):
+                side.rows = _grow(side.rows, qa, qb, self.step, rows.shape[-1:], mx.uint32, bh)
+                side.rows[:, :, qa:qb] = rows
         self.q_end = target
-        # rows older than the reserve are dead: drop them once a step of
-        # them accumulates, so full-precision capacity stays near window + reserve
-        if self.q_end - self.reserve - self.recent_start >= self.recent_step:
+        # rows older than the reserve (and than what this call attends in full precision)
+        # are dead: drop them once a step of them accumulates, so full-precision capacity
+        # stays near window + reserve
+        if self._keep_from() - self.recent_start >= self.recent_step:
             self._compact(self.offset, bh)
 
     def _quantize_rows(self, a: int, b: int):
-        """``(codes, scales)`` of keys and of values for rows ``[a, b)`` of the window buffers.
+        """Packed rows (``codec.join_rows``) of rows ``[a, b)`` of the window buffers.
 
-        Keys and values of the same bits, width and clip go through one quantize
-        pass (it works per token and group, so the result is identical): the
-        cost of a block is the number of passes, not the rows.
+        Keys and values of the same bits, width and clip go through one quantize pass over
+        the stacked buffer (it works per token and group, so the result is identical) and
+        come back stacked, ``(2, B, H, b - a, .)``: the cost of a block is one pass, not
+        the rows.  Otherwise ``[k_rows, v_rows]``.
         """
         k, v, cfg = self.k, self.v, self.config
         rotate = cfg.rotation != "none"
-        if b - a > _STACK_MAX_ROWS or (k.bits, k.dim, k.clip) != (v.bits, v.dim, v.clip):
+        if not self._pairs_packed:
             return [dispatch.quantize_rows(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip,
-                                           lam=s.lam, signs=s.signs, rotate=rotate)
+                                           lam=s.lam, signs=s.signs, rotate=rotate, joined=True)
                     for s in (k, v)]
-        rows = mx.stack([k.recent[:, :, a:b], v.recent[:, :, a:b]])
         if self._stacked is None:
             # per-layer constants of the stacked pass, built once (statistics never change after
             # the first chunk): 2 x (B, H, 1, d) key scales and 2 x d signs
@@ -397,10 +454,15 @@ class OIQKVCache(_BaseCache):
             self._stacked = (lam, mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1))
             mx.eval(self._stacked)
         lam, signs = self._stacked
-        codes, scales = dispatch.quantize_rows(rows, k.bits, cfg.group_size, clip=k.clip, lam=lam, signs=signs,
-                                               rotate=rotate)
-        return [(codes[i : i + 1].reshape(codes.shape[1:]), scales[i : i + 1].reshape(scales.shape[1:]))
-                for i in range(2)]
+        return dispatch.quantize_rows(self._kv_recent[:, :, :, a:b], k.bits, cfg.group_size, clip=k.clip, lam=lam,
+                                      signs=signs, rotate=rotate, joined=True)
+
+    def packed_scales(self, n: int):
+        """Both sides' scales of the first ``n`` packed rows, stacked ``(2, B, H, n, groups)``
+        (a view), when keys and values share packed buffers; else None."""
+        if self._kv_rows is None:
+            return None
+        return split_rows(self._kv_rows[:, :, :, :n], self.k.dim, self.k.bits, self.config.group_size)[1]
 
     # -- reading -----------------------------------------------------------
 
@@ -425,34 +487,39 @@ class OIQKVCache(_BaseCache):
         return sink_k, sink_v, quant, recent_k, recent_v
 
     def attention_segments(self):
-        """What attention reads: :meth:`segments`, except that the tokens written
-        by the last ``update_and_fetch`` are always full precision.
+        """What attention reads: :meth:`segments`, except that the rows the
+        current call found in the window, and the call's own rows, are full
+        precision even when the call packed them.
 
         A call that writes more tokens than the window holds (a prompt, a
-        chunk) quantizes some of them before its own queries attend to them.
-        Those queries get the exact keys and values instead, as a
-        full-precision cache would give them: prefill attention is exact, so
-        quantization error never flows into the keys and values of later
-        layers during prefill; it only affects queries of later calls.  The
-        full-precision copy is the call's own input, held until the next
-        write and released by :meth:`release_fresh` once attention has read it.
+        chunk) quantizes some of them before its own queries attend to them,
+        and a call whose writes move the window on packs rows its queries
+        would have seen exactly one call earlier.  Its queries get those rows
+        exact instead, still held in the full-precision buffer (its
+        compaction keeps them until the next write): prefill attention is
+        exact, so quantization error never flows into the keys and values of
+        later layers during prefill, and a call of several tokens (a chunk, a
+        speculative draft) sees what one-token calls see.  Attention calls
+        :meth:`release_fresh` once it has read them.
         """
         segs = self.segments()
-        fresh = self._fresh
-        if fresh is None or fresh[0] + fresh[1].shape[2] != self.offset:
+        start = self._attend_from
+        if start is None or start >= self.q_end:
             return segs
-        start, fk, fv = fresh
         sink_k, sink_v, quant, _, _ = segs
-        cut = max(start, self.config.sink_tokens)  # sinks are stored exactly already
-        n_q = cut - self.config.sink_tokens
+        n_q = start - self.config.sink_tokens  # sinks are stored exactly already
         if quant is not None:
-            quant = tuple(a[:, :, :n_q] for a in quant) if n_q > 0 else None
-        a = cut - start
-        return sink_k, sink_v, quant, fk[:, :, a:], fv[:, :, a:]
+            quant = tuple(x[:, :, :n_q] for x in quant) if n_q > 0 else None
+        a, b = start - self.recent_start, self.offset - self.recent_start
+        return sink_k, sink_v, quant, self.k.recent[:, :, a:b], self.v.recent[:, :, a:b]
 
     def release_fresh(self):
-        """Drop the full-precision copy of the last write (attention calls this)."""
-        self._fresh = None
+        """Attention has read this call's segments: later reads see the packed rows, and
+        full-precision rows nothing needs any more (a prompt's, past the window and the
+        trim reserve) are dropped once a step of them accumulates."""
+        self._attend_from = None
+        if self.k.recent is not None and self._keep_from() - self.recent_start >= self.recent_step:
+            self._compact(self.offset, self.batch_heads)
 
     def dequantized_kv(self):
         """All keys and values as the attention sees them, un-rotated, float32,
@@ -506,7 +573,7 @@ class OIQKVCache(_BaseCache):
 
     def trim(self, n: int) -> int:
         n = max(0, min(self.offset, int(n)))
-        self._fresh = None
+        self._attend_from = None
         self.offset -= n
         cfg = self.config
         if self.offset < self.recent_start:
@@ -611,8 +678,18 @@ class OIQKVCache(_BaseCache):
                 side.sink = side.packed_to_window(side.sink).astype(self.dtype)
                 if side.recent is not None:
                     side.recent = side.packed_to_window(side.recent).astype(self.dtype)
-            side.codes = arrays["codes"][:, :, :n_q] if n_q else None
-            side.scales = arrays["scales"][:, :, :n_q] if n_q else None
+            side.rows = join_rows(arrays["codes"][:, :, :n_q], arrays["scales"][:, :, :n_q]) if n_q else None
+        self._pair_up()
+
+    def _pair_up(self):
+        """Stack loaded keys and values into the shared buffers (see ``__init__``)."""
+        k, v = self.k, self.v
+        if k.dim == v.dim and k.recent is not None:
+            self._kv_recent = mx.stack([k.recent, v.recent])
+            k.recent, v.recent = halves(self._kv_recent)
+        if self._pairs_packed and k.rows is not None:
+            self._kv_rows = mx.stack([k.rows, v.rows])
+            k.rows, v.rows = halves(self._kv_rows)
 
 
 # -- cache files ------------------------------------------------------------------

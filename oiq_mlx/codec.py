@@ -72,12 +72,42 @@ def packed_width(dim: int, bits: int) -> int:
     return dim * bits // 32
 
 
+def scale_words(dim: int, group_size: int) -> int:
+    """uint32 words holding the float16 group scales of one ``dim``-vector in a packed row
+    (two per word; an odd count leaves one half-word of padding)."""
+    return -(-(dim // group_size) // 2)
+
+
+def row_width(dim: int, bits: int, group_size: int) -> int:
+    """uint32 words of one packed row: :func:`packed_width` code words, then
+    :func:`scale_words` words of scales (:func:`join_rows`)."""
+    return packed_width(dim, bits) + scale_words(dim, group_size)
+
+
 def bytes_per_token(head_dim: int = 128, bits: int = 4, group_size: int = 32) -> int:
-    """Bytes one token costs per KV head for keys *or* values: packed codes plus
-    one float16 scale per group.  128/4/32 -> 72 (fp16 would be 256)."""
+    """Bytes one token costs per KV head for keys *or* values, as the cache stores it:
+    packed codes plus one float16 scale per group, in whole words (a packed row,
+    :func:`row_width`).  128/4/32 -> 72 (fp16 would be 256)."""
     bits = check_bits(bits)
     group_size = check_group_size(group_size, head_dim)
-    return head_dim * bits // 8 + 2 * (head_dim // group_size)
+    return 4 * row_width(head_dim, bits, group_size)
+
+
+def join_rows(codes: mx.array, scales: mx.array) -> mx.array:
+    """Packed rows: ``codes`` ``(..., W)`` uint32 followed by the bits of ``scales``
+    ``(..., G)`` float16, two per word, the first in the low half; an odd ``G`` is
+    padded with a zero half.  ``(..., W + ceil(G / 2))`` uint32."""
+    if scales.shape[-1] % 2:
+        scales = mx.pad(scales, [(0, 0)] * (scales.ndim - 1) + [(0, 1)])
+    return mx.concatenate([codes, mx.contiguous(scales).view(mx.uint32)], axis=-1)
+
+
+def split_rows(rows: mx.array, dim: int, bits: int, group_size: int):
+    """``(codes, scales)`` of packed rows (:func:`join_rows`), as views of ``rows``: the
+    scales view narrows the dtype over a contiguous last axis, which MLX serves
+    without a copy."""
+    w = packed_width(dim, bits)
+    return rows[..., :w], rows[..., w:].view(mx.float16)[..., : dim // group_size]
 
 
 @functools.lru_cache(maxsize=None)

@@ -89,7 +89,7 @@ _ONE = mx.array(1.0, mx.float32)
 
 
 def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | None, signs: mx.array,
-                  rotate: bool = True, clip: bool = False):
+                  rotate: bool = True, clip: bool = False, joined: bool = False):
     """Codes and scales of window rows entering the packed segment of a cache: one fused
     kernel (key scaling, sign flip, Walsh-Hadamard, abs-max or clip search, rounding,
     packing) when one serves the call, else the reference.
@@ -102,15 +102,19 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
         x: ``(..., n, d)`` rows as the window holds them (centered, model dtype).
         lam: key scales, float32, broadcastable to ``x`` with size 1 on the row axis, or None.
         signs: the rotation signs, float32, broadcastable the same way.
+        joined: return the packed rows ``codec.join_rows(codes, scales)`` (what the cache
+            stores) instead of ``(codes, scales)``.
     """
     if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
             and codec_shape_ok(x.shape[-1], bits, group_size)):
-        return kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
-                                    clip=clip)
+        out = kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
+                                   clip=clip)
+        return codec.join_rows(*out) if joined else out
     y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
     if rotate:
         y = rotation.hadamard(y)
-    return _compiled_quantize(bits, group_size, clip)(y)
+    out = _compiled_quantize(bits, group_size, clip)(y)
+    return codec.join_rows(*out) if joined else out
 
 
 # -- dequantize -----------------------------------------------------------------

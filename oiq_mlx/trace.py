@@ -28,8 +28,12 @@ import mlx.core as mx
 from . import dispatch
 from .kernels import _launch
 
+# "View" (a dtype reinterpretation) shares its input's buffer when the dtype narrows over a
+# contiguous last axis, the one way the cache uses it (codec.split_rows: float16 scales out of
+# uint32 packed rows); a Reshape of an array whose strides do not merge copies, so the decode
+# step passes strided slices to kernels as they are instead of reshaping them.
 VIEW_PRIMITIVES = frozenset({"Broadcast", "Reshape", "ExpandDims", "Squeeze", "Transpose", "Slice", "Flatten",
-                             "Unflatten", "AsStrided", "StopGradient"})
+                             "Unflatten", "AsStrided", "StopGradient", "View"})
 
 
 def launching_primitives(outputs) -> Counter:
@@ -109,6 +113,8 @@ def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_
         k1, key = mx.random.split(key)
         kv = mx.random.normal((2, 1, n_kv_heads, min(2048, context - a), head_dim), key=k1).astype(dtype)
         cache.update_and_fetch(kv[0], kv[1])
+        if hasattr(cache, "release_fresh"):
+            cache.release_fresh()  # what attention over the prompt would do after reading it
         mx.eval(_arrays_of(cache))
     per_step, breakdown = [], None
     for _ in range(steps):

@@ -224,8 +224,11 @@ def test_prompt_cache_copies_and_counts_oiq_caches():
     assert lru.nbytes == sum(c.nbytes for c in cache)
     # nbytes is every array the cache holds: no float copy of the packed tokens on the side
     for c in cache:
-        assert c._fresh is None
-        assert c.nbytes == sum(a.nbytes for a in _held_arrays(c))
+        assert c._attend_from is None
+        # keys and values share stacked buffers, of which c.k / c.v hold views: count those once
+        views = {id(a) for side in (c.k, c.v) for a in (side.recent, side.rows)}
+        assert c._kv_recent is not None and c._kv_rows is not None
+        assert c.nbytes == sum(a.nbytes for a in _held_arrays(c) if id(a) not in views)
     got, rest = lru.fetch_nearest_cache("m", tokens + [7, 8])
     assert rest == [7, 8]
     for a, b in zip(cache, got):

@@ -122,11 +122,13 @@ def test_kv_bytes_match_cache_formulas(model_result):
             mean = (int(cfg.center_keys) + int(cfg.center_values)) * N_KV * HEAD_DIM * 4
             lam = N_KV * HEAD_DIM * 4 if cfg.key_scaling else 0  # per-channel key scales
             signs = 2 * HEAD_DIM * 4
+            # once rows are packed: the quantize pass's stacked copies of both sides' key scales and signs
+            stacked = (2 * lam + signs) if n_q > 0 else 0
             recent_caps = {layer["arrays"]["k.recent"][2] for layer in r["kv_layout"]}
             assert len(recent_caps) == 1
             cap_r = recent_caps.pop()
             assert cap_r % 64 == 0 and min(cfg.window, T) <= cap_r <= cfg.window + cfg.trim_reserve + 64 + 64
-            per_layer = quant + sink + mean + lam + signs + 2 * N_KV * cap_r * HEAD_DIM * 4
+            per_layer = quant + sink + mean + lam + signs + stacked + 2 * N_KV * cap_r * HEAD_DIM * 4
         assert r["kv_bytes"] == N_LAYERS * per_layer, (r["context"], r["cache"])
 
 

@@ -29,6 +29,7 @@ def _feed(cache, chunks, B, n_kv, d, n_q, seed=0, dv=None):
         v = mx.random.normal((B, n_kv, L, dv), key=k2)
         q = mx.random.normal((B, n_q, L, d), key=k3)
         ks.append(k), vs.append(v)
+        cache.w0 = max(cache.q_end, cache.config.sink_tokens)  # the window's start as the call finds it
         cache.update_and_fetch(k, v)
         out = oiq_attention(q, cache, d**-0.5, "causal" if L > 1 else None)
         yield q, mx.concatenate(ks, 2), mx.concatenate(vs, 2), out
@@ -47,17 +48,18 @@ CONFIGS = [
 @pytest.mark.parametrize("shape", [(1, 2, 6, 64), (2, 1, 3, 128), (1, 3, 3, 80)], ids=lambda s: f"B{s[0]}kv{s[1]}q{s[2]}d{s[3]}")
 def test_attention_over_stored_kv(cfg, shape):
     """Attention equals fp32 attention over exactly what the cache stores for
-    earlier calls and over the exact keys/values of the current call, across
-    the growth boundary (256) and the sink/window/quantize_after edges."""
+    the rows packed before the call and over the exact keys/values of the rows
+    the call found in the window and of its own, across the growth boundary
+    (256) and the sink/window/quantize_after edges."""
     B, n_kv, n_q, d = shape
     cache = OIQKVCache(cfg)
     chunks = [3, 1, 2, 40, 1, 1, 300, 1, 8, 1]
     for L, (q, k, v, out) in zip(chunks, _feed(cache, chunks, B, n_kv, d, n_q)):
         kd, vd = cache.dequantized_kv()
         assert kd.shape == k.shape and vd.shape == v.shape
-        T = k.shape[2]
-        ref = reference_attention(q, mx.concatenate([kd[:, :, : T - L], k[:, :, T - L :]], 2),
-                                  mx.concatenate([vd[:, :, : T - L], v[:, :, T - L :]], 2), d**-0.5)
+        w0 = cache.w0
+        ref = reference_attention(q, mx.concatenate([kd[:, :, :w0], k[:, :, w0:]], 2),
+                                  mx.concatenate([vd[:, :, :w0], v[:, :, w0:]], 2), d**-0.5)
         # fp32 throughout; the rotation round trip adds ~1e-6
         assert float(mx.abs(out - ref).max()) < 2e-4
         # and the stored K/V are close to the inputs, by a margin set by the bits
@@ -95,16 +97,16 @@ def test_current_call_is_attended_in_full_precision():
         cache = OIQKVCache(cfg)
         cache.update_and_fetch(k, v)
         assert cache.q_end == L - 8  # most of the prompt is already packed
-        assert cache._fresh is not None
+        assert cache._attend_from == 4  # everything past the sinks, packed or not, read exact
         qq = q[:, :, L - mask_L :]
         out = oiq_attention(qq, cache, d**-0.5, "causal")
-        assert cache._fresh is None
+        assert cache._attend_from is None
         ref = reference_attention(qq, k, v, d**-0.5)
         assert float(mx.abs(out - ref).max()) < 1e-4
     # the next step attends to what is stored: 2-bit keys/values, not the exact ones
     q1 = mx.random.normal((B, n_q, 1, d), key=k4)
     cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
-    assert cache._fresh is None  # a one-token write stays inside the window: nothing to keep
+    assert cache.q_end == L - 8  # a one-token write stays inside the window: nothing packed
     out = oiq_attention(q1, cache, d**-0.5)
     kd, vd = cache.dequantized_kv()
     assert float(mx.abs(out - reference_attention(q1, kd, vd, d**-0.5)).max()) < 1e-4
@@ -182,15 +184,17 @@ def test_nbytes_matches_allocation_and_compression():
     for L in (500, 524):
         k = mx.random.normal((B, H, L, d)).astype(mx.float16)
         cache.update_and_fetch(k, k)
+        cache.release_fresh()  # as attention does after reading
         fp.update_and_fetch(k, k)
     per_token = 2 * bytes_per_token(d, 4, 32)
     assert per_token == 72
     cap = cache.k.codes.shape[2]
     recent = cache.k.recent.shape[2]
-    signs = 2 * d * 4  # one float32 sign vector for keys, one for values
+    # one float32 sign vector for keys, one for values, and their stacked copy (the quantize pass's)
+    signs = 2 * 2 * d * 4
     expected = B * H * (cap * per_token + 2 * recent * d * 2) + signs
     assert cache.nbytes == expected == cache.quantized_nbytes_formula() + 2 * B * H * recent * d * 2 + signs
-    assert cache.nbytes == sum(a.nbytes for a in cache.state[:-1] if a is not None) + (
+    assert cache.nbytes == sum(a.nbytes for a in cache.state[:-1] if a is not None) + 2 * d * 4 + (
         (cap - N) * per_token + 2 * (recent - (cache.offset - cache.recent_start)) * d * 2
     ) * B * H
     assert fp.nbytes / cache.nbytes >= 3.4, fp.nbytes / cache.nbytes
@@ -199,6 +203,7 @@ def test_nbytes_matches_allocation_and_compression():
     for _ in range(8):
         k = mx.random.normal((B, H, 2048, d)).astype(mx.float16)
         default.update_and_fetch(k, k)
+        default.release_fresh()
     assert (16384 * B * H * 2 * d * 2) / default.nbytes >= 3.4
 
 
