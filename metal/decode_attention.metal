@@ -193,17 +193,26 @@ for (int t = t0; t < t1; t += KF) {
           s += float(mv);
         }
       }
-      // s is uniform across the simdgroup, so this branch is too.  NaN scores
-      // (a NaN group in the cache) are let through so that they show.
-      if (s != -INFINITY) {
-        float m_new = max(m[i], s);
-        float f = exp(m[i] - m_new);
-        float p = exp(s - m_new);
-        lsum[i] = lsum[i] * f + p;
+      // s is uniform across the simdgroup, so these branches are too.  One exp per
+      // key, fast::exp (metal/README.md, "fast::exp"): its argument is <= 0 on both
+      // sides.  A key below the running max adds its weight exp(s - m); a new max
+      // rescales what came before by exp(m - s) and adds weight 1 (nothing to rescale
+      // for the first key: m = -inf, f = 0, no exp of -inf).  NaN scores (a NaN group
+      // in the cache) are let through so that they show: s > m is false for NaN, and
+      // the weight is the NaN itself, not left to fast::exp.
+      if (s > m[i]) {
+        float f = m[i] == -INFINITY ? 0.0f : fast::exp(m[i] - s);
+        lsum[i] = lsum[i] * f + 1.0f;
         for (int e = 0; e < E; e++) {
-          o[i][e] = o[i][e] * f + p * vv[j][e];
+          o[i][e] = o[i][e] * f + vv[j][e];
         }
-        m[i] = m_new;
+        m[i] = s;
+      } else if (s != -INFINITY) {
+        float p = s == s ? fast::exp(s - m[i]) : s;
+        lsum[i] += p;
+        for (int e = 0; e < E; e++) {
+          o[i][e] += p * vv[j][e];
+        }
       }
     }
   }

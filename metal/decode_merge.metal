@@ -3,14 +3,18 @@
 // slices' share only, + value mean.
 //
 // Grid (32, B*H_q*L, 1), threadgroup (32, ROWS, 1): one simdgroup per query
-// row, lane l owning output values [l*E, (l+1)*E).  Template: D (value head
-// dimension).  params: n_kv, rep, L, n_parts, n_qchunks, QB (query rows per
-// chunk of pass 1), has sinks, has mean, unrotate, P_S, P_Q (slices
+// row, lane l owning output values [l*E, (l+1)*E).  Template: OutT (the output
+// dtype: the queries'), D (value head dimension).  params: n_kv, rep, L,
+// n_parts, n_qchunks, QB (query rows per chunk of pass 1), has sinks, has
+// mean, unrotate, P_S, P_Q (slices
 // [P_S, P_S + P_Q) are the packed segment's, in the rotated domain; the others
 // are un-rotated); uniform over the launch.
 // part_ml, sinks, mean and signs may be bound `constant` (fewer than 8
 // elements); they are only indexed.  mean: the value mean, un-rotated
-// (B, H_kv, D).  Output: out (B, H_q, L, D) float32.
+// (B, H_kv, D).  Output: out (B, H_q, L, D) OutT, accumulated in float32 and
+// rounded once at the store (the reference's float32 result .astype(OutT)).
+// The exps here stay precise: P + 1 per query row (not per key), and the part
+// weights scale whole slices.
 constexpr int E = D / 32;
 
 uint lane = thread_position_in_threadgroup.x;
@@ -84,5 +88,5 @@ for (int e = 0; e < E; e++) {
   if (has_mean) {
     y[e] += mean[(b * n_kv + kvh) * D + lane * E + e];
   }
-  out[size_t(g) * D + lane * E + e] = y[e];
+  out[size_t(g) * D + lane * E + e] = OutT(y[e]);
 }

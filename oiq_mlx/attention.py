@@ -35,7 +35,7 @@ import numpy as np
 from . import dispatch, rotation
 from .cache import halves, pad_last
 from .codec import SUPPORTED_BITS
-from .kernels.decode_attention import decode_attention
+from .kernels.decode_attention import OUT_DTYPES, decode_attention
 
 # queries per step up to which attention takes the decode path (kernel or reference)
 DECODE_MAX_QUERIES = 8
@@ -105,9 +105,9 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
         raise ValueError(f"{L} queries have no key to attend to: the cache holds 0 tokens")
     segments = cache.attention_segments()
     cache.release_fresh()
-    fused = decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments)
+    fused = decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments, out_dtype=queries.dtype)
     if fused is not None:
-        return fused[..., : v.head_dim].astype(queries.dtype)
+        return fused[..., : v.head_dim]  # the merge kernel wrote the queries' dtype
     return reference_output(queries, cache, scale, mask, sinks, segments)[..., : v.head_dim].astype(queries.dtype)
 
 
@@ -149,7 +149,8 @@ def _mask_ok(mask, shape) -> bool:
     return mask.ndim <= 4
 
 
-def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks, *, segments=None):
+def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks, *, segments=None,
+                            out_dtype=mx.float32):
     """Fused decode attention over ``cache`` when a kernel serves this call, else None
     (the caller runs the reference path).
 
@@ -158,12 +159,15 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
         queries: ``(B, n_q, L, head_dim)`` as the model gives them; L <= 8.
         scale, mask, sinks: as for ``attention.oiq_attention``.
         segments: what to attend to (default ``cache.attention_segments()``).
+        out_dtype: the dtype the merge kernel writes (float16, bfloat16, float32; another
+            declines the kernel).
 
     Returns:
-        ``(B, n_q, L, v.dim)`` float32, the output before its cast to the query dtype (slice to
-        ``v.head_dim``), or None.
+        ``(B, n_q, L, v.dim)`` in ``out_dtype`` (slice to ``v.head_dim``), or None.
     """
     if not dispatch.kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
+        return None
+    if out_dtype not in OUT_DTYPES:
         return None
     k, v, cfg = cache.k, cache.v, cache.config
     B, n_q, L, dq = queries.shape
@@ -191,7 +195,7 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
         q, scale=scale, segments=cache.attention_segments() if segments is None else segments,
         k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
         k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
-        v_signs=v.signs if v.rotated else None,
+        v_signs=v.signs if v.rotated else None, out_dtype=out_dtype,
     )
 
 

@@ -26,7 +26,7 @@ from oiq_mlx.cache import OIQKVCache
 from oiq_mlx.config import OIQConfig
 from oiq_mlx.kernels import _launch, _source, check
 from oiq_mlx.kernels._source import SUPPORTED_DIMS
-from oiq_mlx.kernels.decode_attention import decode_attention, query_rows_per_chunk
+from oiq_mlx.kernels.decode_attention import decode_attention, fast_exp_relative_bound, query_rows_per_chunk
 from oiq_mlx.kernels.instantiations import DTYPES as KERNEL_DTYPES
 from oiq_mlx.kernels.instantiations import MASK_MODES, QUERY_ROWS, codec_params, production_instantiations
 from oiq_mlx.kernels.dequantize import dequantize as kernel_dequantize
@@ -301,27 +301,37 @@ def truth_attention(q, cache, mask, sinks, segments=None):
     return np.einsum("bhlt,bhtd->bhld", p, V)
 
 
-def _kernel_attention(q, cache, mask=None, sinks=None, keys_per_part=None, segments=None):
+def _kernel_attention(q, cache, mask=None, sinks=None, keys_per_part=None, segments=None, out_dtype=mx.float32):
     k, v, cfg = cache.k, cache.v, cache.config
     return decode_attention(q, scale=SCALE[q.shape[-1]], segments=cache.segments() if segments is None else segments,
                             k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
                             k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
-                            v_signs=v.signs if v.rotated else None, keys_per_part_=keys_per_part)
+                            v_signs=v.signs if v.rotated else None, keys_per_part_=keys_per_part,
+                            out_dtype=out_dtype)
 
 
-def _check_attention(cache, q, mask=None, sinks=None, keys_per_part=None, segments=None):
+# half the spacing of float16 / bfloat16 values relative to the value (one rounding at the store),
+# and the smallest spacing (float16 subnormals)
+_STORE_ROUNDING = {mx.float32: (0.0, 0.0), mx.float16: (2.0 ** -11, 2.0 ** -25), mx.bfloat16: (2.0 ** -8, 0.0)}
+
+
+def _check_attention(cache, q, mask=None, sinks=None, keys_per_part=None, segments=None, out_dtype=mx.float32):
     """The kernels (query preparation, both domains, merge with un-rotation and value mean)
     against the reference path, both against float64 attention over what the cache holds.
-    Sinks here are passed as the kernel takes them (callers use center_keys=False)."""
+    Sinks here are passed as the kernel takes them (callers use center_keys=False).  An
+    ``out_dtype`` below float32 adds one rounding of the result at the merge's store."""
     segments = cache.segments() if segments is None else segments
-    out = _kernel_attention(q, cache, mask, sinks, keys_per_part, segments)
+    out = _kernel_attention(q, cache, mask, sinks, keys_per_part, segments, out_dtype)
     ref = _reference(q, cache, mask, sinks, segments)
     truth = truth_attention(q, cache, mask, sinks, segments)
-    assert out.shape == ref.shape and out.dtype == mx.float32
-    err = np.abs(np.array(out) - truth).max()
+    assert out.shape == ref.shape and out.dtype == out_dtype
+    got = np.array(out.astype(mx.float32))
+    err = np.abs(got - truth)
     ref_err = np.abs(np.array(ref) - truth).max()
     # Both accumulate in float32 over <= a few thousand keys of O(1) outputs: ~1e-7 each.
-    assert err <= 2 * ref_err + 2e-6, (err, ref_err)
+    bound = 2 * ref_err + 2e-6
+    rel, least = _STORE_ROUNDING[out_dtype]
+    assert (err <= bound + rel * (np.abs(truth) + bound) + least).all(), (err.max(), ref_err)
     return out
 
 
@@ -412,6 +422,99 @@ def test_dispatch_sinks_with_centered_keys(kernels_on, monkeypatch):
     ref_err = np.abs(np.array(ref) - truth).max()
     assert ref_err < 1e-5  # the reference shifts the sink logit the same way
     assert np.abs(np.array(out) - truth).max() <= 2 * ref_err + 2e-6
+
+
+def _fast_exp_weight_errors(scores, kpp):
+    """Per key, the bound of the relative error fast::exp puts on its weight, following pass 1's
+    order (slices of kpp keys; a key below the running max: its own exp(s - m); a new max: exp(m -
+    s) rescales every earlier key of the slice): each exp off by at most 4 + 2|x| ulp (Metal's
+    3 + floor(2|x|), plus the emulator's one ulp of slack), an ulp of y = e^x being 2^(e-24)
+    for y in [2^(e-1), 2^e)."""
+    def rel(x):
+        y = np.exp(x)
+        return (4 + 2 * abs(x)) * np.ldexp(1.0, np.frexp(y)[1] - 24) / y
+
+    log_rho = np.zeros(len(scores))
+    for t0 in range(0, len(scores), kpp):
+        m = -np.inf
+        for t in range(t0, min(t0 + kpp, len(scores))):
+            if scores[t] > m:
+                if m > -np.inf:
+                    log_rho[t0:t] += np.log1p(rel(m - scores[t]))
+                m = scores[t]
+            else:
+                log_rho[t] += np.log1p(rel(scores[t] - m))
+    return np.expm1(log_rho)
+
+
+def _fast_exp_case(T=256, kpp=64, d=32, seed=3):
+    """One query row over T float32 keys in slices of kpp, built against fast::exp: in each slice
+    the even keys climb slowly (each one a new running max: a rescale of the slice so far) and
+    the odd keys sit up to 2 below (weights from exps of arguments down to -2), and the first
+    value channel follows the key's place in its slice, so that the errors, which grow towards
+    a slice's start, do not cancel in the weighted sum.  Returns (segments, q, truth, bound): the
+    float64 attention and, per channel, the bound of the deviation fast::exp may cause,
+    ``max_i |v_i - o| * b / (1 - b)`` with ``b = sum_i w_i rho_i`` over this case's exps; that b
+    is within the general ``fast_exp_relative_bound``."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(T)
+    pos = t % kpp
+    s = np.where(t % 2 == 0, 0.004 * pos, 0.004 * pos - 2.0 * rng.random(T))
+    k = np.zeros((1, 1, T, d), np.float32)
+    k[0, 0, :, 0] = s / SCALE[d]
+    v = rng.standard_normal((1, 1, T, d)).astype(np.float32)
+    v[0, 0, :, 0] = pos / (kpp / 2) - 1.0
+    q = np.zeros((1, 1, 1, d), np.float32)
+    q[..., 0] = 1.0
+    # the scores as pass 1 forms them: float32 (q * scale) * k, the other channels 0
+    s32 = (np.float32(SCALE[d]) * k[0, 0, :, 0]).astype(np.float64)
+    w = np.exp(s32 - s32.max())
+    w /= w.sum()
+    v64 = v[0, 0].astype(np.float64)
+    o = w @ v64
+    rho = _fast_exp_weight_errors(s32, kpp)
+    b = float(w @ rho)
+    assert b <= fast_exp_relative_bound(kpp, float(w @ (s32.max() - s32)))
+    bound = (w * rho) @ np.abs(v64 - o) / (1 - b)
+    segments = (None, None, None, mx.array(k), mx.array(v))
+    return segments, mx.array(q), o, bound
+
+
+def _fast_exp_run(monkeypatch, segments, q, kpp, mode):
+    monkeypatch.setattr(emulator, "FAST_EXP", mode)
+    out = decode_attention(q, scale=SCALE[q.shape[-1]], segments=segments, k_bits=4, v_bits=4, group_size=32,
+                           keys_per_part_=kpp)
+    return np.array(out)[0, 0, 0].astype(np.float64)
+
+
+def _within_fast_exp_tolerance(out, exact, truth, bound):
+    """The stated tolerance, per channel: twice the error of the same kernel with a correctly
+    rounded exp, + 2.5e-7 (a few float32 ulps of these O(1) outputs: the two runs round their
+    sums differently), + the fast::exp bound."""
+    return (np.abs(out - truth) <= 2 * np.abs(exact - truth).max() + 2.5e-7 + bound).all()
+
+
+@pytest.mark.parametrize("mode", [("hash", 1.0), ("up", 1.0), ("down", 1.0)])
+def test_decode_attention_fast_exp_bound(metal_emulator, monkeypatch, mode):
+    """With fast::exp off by Metal's documented bound (metal/README.md, "fast::exp"), the output
+    stays within the stated tolerance of float64 attention; the systematic models move it."""
+    kpp = 64
+    segments, q, truth, bound = _fast_exp_case(kpp=kpp)
+    exact = _fast_exp_run(monkeypatch, segments, q, kpp, ("exact", 1.0))
+    out = _fast_exp_run(monkeypatch, segments, q, kpp, mode)
+    assert not np.array_equal(out, exact)  # the model reached the kernel's exps
+    assert np.abs(exact - truth).max() < 1e-6
+    assert _within_fast_exp_tolerance(out, exact, truth, bound), (np.abs(out - truth) - bound).max()
+
+
+def test_decode_attention_fast_exp_tolerance_can_fail(metal_emulator, monkeypatch):
+    """An exp 4 times worse than Metal's documented fast-math bound breaks the tolerance of
+    test_decode_attention_fast_exp_bound on the same case: the tolerance is not vacuous."""
+    kpp = 64
+    segments, q, truth, bound = _fast_exp_case(kpp=kpp)
+    exact = _fast_exp_run(monkeypatch, segments, q, kpp, ("exact", 1.0))
+    worse = _fast_exp_run(monkeypatch, segments, q, kpp, ("up", 4.0))
+    assert not _within_fast_exp_tolerance(worse, exact, truth, bound)
 
 
 def test_decode_attention_nan_group_shows(metal_emulator):
@@ -634,6 +737,8 @@ MUTATIONS = {
     "straddling bits dropped": ("quantize.metal", "(v >> uint(-off))", "0u", _quantize_check(bits=3)),
     "causal mask off by one": ("decode_attention.metal", "s = tj <= T - L + qpos[i] ? s : -INFINITY;",
                                "s = tj < T - L + qpos[i] ? s : -INFINITY;", _attention_check("causal", L=3)),
+    "new max without rescale": ("decode_attention.metal", "o[i][e] = o[i][e] * f + vv[j][e];",
+                                "o[i][e] = o[i][e] + vv[j][e];", _attention_check()),
     "device pointer in oiq_unpack": ("oiq_common.h", "template <int E, typename P>\nMETAL_FUNC void oiq_unpack(P words",
                                      "template <int E>\nMETAL_FUNC void oiq_unpack(const device uint32_t* words",
                                      _short_chat_check),
@@ -705,7 +810,7 @@ def _sweep_attention(d, dtype, qb):
     keep = t <= mx.arange(T - L, T)[None, None, :, None] - (i % 3)
     mask = [None, "causal", keep, mx.where(keep, 0.0, -1e4).astype(dtype)][i % 4]
     sinks = mx.linspace(-1.0, 2.0, n_kv * rep) if i % 3 == 0 else None
-    _check_attention(cache, q, mask, sinks)
+    _check_attention(cache, q, mask, sinks, out_dtype=dtype)  # the merge writes the queries' dtype
 
 
 _SWEEPS = {"oiq_quantize": _sweep_quantize, "oiq_dequantize": _sweep_dequantize,
@@ -771,7 +876,7 @@ def test_check_metal_compile_step_and_report(kernels_on, monkeypatch):
     their smallest inputs, check a short and a packed decode, one report with every failure."""
     picks = [p for p in PRODUCTION if _instantiation_id(*p) in {
         "oiq_quantize[T=float16,D=64,ROWS=4]", "oiq_dequantize[OutT=bfloat16,D=32]",
-        "oiq_decode_attention[FT=float16,D=64,QB=2]", "oiq_decode_merge[D=64]"}]
+        "oiq_decode_attention[FT=float16,D=64,QB=2]", "oiq_decode_merge[OutT=float16,D=64]"}]
     assert len(picks) == 4
     compiled = check.compile_all(picks)
     assert [r["error"] for r in compiled] == [None] * 4

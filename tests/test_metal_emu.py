@@ -39,6 +39,50 @@ def test_elementwise_template_dtype(dtype, tol):
     assert (err / scale).max().item() <= tol
 
 
+_FAST_EXP = _kernel("emu_fast_exp", """
+    uint i = thread_position_in_grid.x;
+    out[i] = fast::exp(x[i]);
+    precise_out[i] = exp(x[i]);
+""", ["x"], ["out", "precise_out"])
+
+
+def _fast_exp_ulps(monkeypatch, mode, x):
+    """fast::exp and exp of x (float32) under the emulator, and fast::exp's signed error in ulp
+    of the float binade of exp(x) (float64)."""
+    monkeypatch.setattr(metal_emu.emulator, "FAST_EXP", mode)
+    n = x.size
+    out, precise = launch(_FAST_EXP, inputs=[mx.array(x)], grid=(n, 1, 1), threadgroup=(min(n, 256), 1, 1),
+                          output_shapes=[(n,), (n,)], output_dtypes=[mx.float32, mx.float32])
+    y = np.exp(x.astype(np.float64))
+    ulp = np.ldexp(1.0, np.frexp(y)[1] - 24)
+    return np.array(out).astype(np.float64), np.array(precise).astype(np.float64), (np.array(out) - y) / ulp
+
+
+def test_fast_exp_error_model(monkeypatch):
+    """fast::exp is off exp(x) by Metal's documented fast-math bound 3 + floor(|2x|) ulp, up to one
+    ulp more (MSL 8.4, Table 8.2), on a side that is a fixed function of x; the precise exp is not
+    perturbed; `scale` multiplies the bound; results below FLT_MIN flush to zero."""
+    x = np.concatenate([np.linspace(-87.0, 0.0, 1021), [0.0, -0.25, -1e-30]]).astype(np.float32)
+    bound = 3 + np.floor(np.abs(2.0 * x.astype(np.float64)))
+    fast, precise, err = _fast_exp_ulps(monkeypatch, ("hash", 1.0), x)
+    assert (np.abs(err) >= bound).all() and (np.abs(err) < bound + 1).all()
+    assert 0.4 < (err > 0).mean() < 0.6  # both sides
+    assert np.abs((precise - np.exp(x.astype(np.float64))) / np.exp(x.astype(np.float64))).max() < 2 ** -23
+    again, _, _ = _fast_exp_ulps(monkeypatch, ("hash", 1.0), x)
+    assert (again == fast).all()  # deterministic
+    _, _, up = _fast_exp_ulps(monkeypatch, ("up", 1.0), x)
+    _, _, down = _fast_exp_ulps(monkeypatch, ("down", 1.0), x)
+    assert (up >= bound).all() and (down <= -bound).all()
+    _, _, big = _fast_exp_ulps(monkeypatch, ("up", 8.0), x)
+    assert (big >= np.floor(8 * bound)).all()
+    exact, _, e0 = _fast_exp_ulps(monkeypatch, ("exact", 1.0), x)
+    assert np.abs(e0).max() <= 0.5
+    tiny, _, _ = _fast_exp_ulps(monkeypatch, ("hash", 1.0), np.array([-88.0, -100.0, -np.inf], np.float32))
+    assert (tiny == 0).all()
+    nan, _, _ = _fast_exp_ulps(monkeypatch, ("hash", 1.0), np.array([np.nan], np.float32))
+    assert np.isnan(nan).all()
+
+
 def test_unwritten_output_is_poisoned():
     (out,) = launch(_AXPB, inputs=[mx.zeros((8,)), mx.zeros((8,)), 1.0, 8],
                     template=[("T", mx.float32)], grid=(8, 1, 1), threadgroup=(8, 1, 1),

@@ -69,7 +69,8 @@ def _smoke(kernel: str, template: dict):
         fp = mx.ones((1, 1, 1, d), mx.float32)
         out = decode_attention(mx.ones((1, 1, 1, d)), scale=d ** -0.5, segments=(fp, fp, None, None, None),
                                k_bits=2, v_bits=2, group_size=32, sinks=mx.zeros((1,)),
-                               v_mean=mx.zeros((1, 1, 1, d)), v_signs=rotation.random_signs(0, d))
+                               v_mean=mx.zeros((1, 1, 1, d)), v_signs=rotation.random_signs(0, d),
+                               out_dtype=template["OutT"])
     else:
         raise ValueError(f"unknown kernel {kernel!r}")
     mx.eval(out)

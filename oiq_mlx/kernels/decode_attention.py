@@ -16,8 +16,15 @@ MAX_QUERY_ROWS = 8  # query rows (rep * L) sharing one read of the cache per sim
 # Query rows x values per lane one simdgroup may hold: MLX's own GQA vector kernel caps rows x D/32
 # at 16, and each row costs 2 x D/32 live floats per lane here (query and accumulator).
 MAX_ROW_VALUES = 16
-KEYS_PER_PART_MIN = 64
-TARGET_SIMDGROUPS = 1024  # enough slices to fill an M-series GPU at small batch
+# The split of the sequence into slices (split_parts; metal/README.md, "Split sizes").  Unverified
+# on hardware: chosen from core counts and bytes, not timed.
+KEYS_PER_PART_MIN = 64  # a slice's fixed work (query load and preparation, partial store) vs its keys
+TARGET_SIMDGROUPS = 1024  # ~25 per core on a 40-core M3/M4 Max, 128 per core on an 8-core M1
+# pass 1's partial outputs (written, then read by the merge) at most 1/PARTIAL_TRAFFIC_SHARE of the
+# key/value bytes a slice reads
+PARTIAL_TRAFFIC_SHARE = 8
+MAX_PARTS = 128  # slices per query row the merge reads serially (one simdgroup per row)
+OUT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # the merge's output dtypes (the queries')
 PARTS_PER_THREADGROUP = 4
 ROWS_PER_THREADGROUP = 4
 _MASK_NONE, _MASK_CAUSAL, _MASK_BOOL, _MASK_ADD = 0, 1, 2, 3
@@ -60,10 +67,58 @@ def _merge_kernel():
     )
 
 
-def keys_per_part(total: int, n_programs: int) -> int:
-    """Keys per slice: enough slices for ~TARGET_SIMDGROUPS simdgroups, at least KEYS_PER_PART_MIN keys each."""
-    parts = max(1, min(math.ceil(total / KEYS_PER_PART_MIN), TARGET_SIMDGROUPS // max(1, n_programs)))
-    return math.ceil(total / parts)
+def min_keys_per_part(d: int, qb: int, bytes_per_key: float) -> int:
+    """The fewest keys a slice should hold: KEYS_PER_PART_MIN, and enough that the slice's partial
+    outputs (``qb`` rows of ``d + 2`` floats, written by pass 1 and read by the merge:
+    ``2 * qb * (d + 2) * 4`` bytes) stay within 1/PARTIAL_TRAFFIC_SHARE of the ``bytes_per_key``
+    the slice reads per key (keys and values, codes and scales)."""
+    partial = 2 * qb * (d + 2) * 4
+    return max(KEYS_PER_PART_MIN, math.ceil(PARTIAL_TRAFFIC_SHARE * partial / max(bytes_per_key, 1.0)))
+
+
+def split_parts(total: int, n_programs: int, kmin: int) -> int:
+    """Slices per (KV head, query chunk) for ``total`` keys over ``n_programs = B * n_kv * chunks``
+    simdgroup programs: enough for ~TARGET_SIMDGROUPS simdgroups in all, no slice below ``kmin``
+    keys (unless the context is shorter: then one), at most MAX_PARTS - 2 (a slice never straddles
+    two of the three segments, which adds at most 2 slices: the merge reads at most MAX_PARTS).
+    Non-decreasing in ``total``, non-increasing in ``n_programs`` and ``kmin``."""
+    fill = math.ceil(TARGET_SIMDGROUPS / max(1, n_programs))
+    return max(1, min(fill, total // max(1, kmin), MAX_PARTS - 2))
+
+
+def keys_per_part(total: int, n_programs: int, *, d: int = 128, qb: int = 1,
+                  bytes_per_key: float = 2 * 128 * 2) -> int:
+    """Keys per slice: ``ceil(total / split_parts(...))`` with ``kmin = min_keys_per_part(d, qb,
+    bytes_per_key)`` (defaults: d = 128, one query row, fp16 keys and values)."""
+    parts = split_parts(total, n_programs, min_keys_per_part(d, qb, bytes_per_key))
+    return max(1, math.ceil(total / parts))
+
+
+def segment_parts(kpp: int, *lengths: int) -> tuple:
+    """Slices of each segment (sinks, packed, recent) at ``kpp`` keys per slice: a slice never
+    straddles two segments (each slice's output is in one domain), so the total is at most
+    ``ceil(sum(lengths) / kpp) + len(lengths) - 1``."""
+    return tuple(math.ceil(n / kpp) for n in lengths)
+
+
+def bytes_per_key(d: int, k_bits: int, v_bits: int, group_size: int, n_packed: int, n_fp: int,
+                  fp_bytes: int) -> float:
+    """Mean bytes read per key (key and value) over ``n_packed`` packed and ``n_fp`` full-precision
+    rows of ``fp_bytes`` per value."""
+    packed = d * (k_bits + v_bits) / 8 + 2 * 2 * d / group_size
+    fp = 2 * d * fp_bytes
+    return (n_packed * packed + n_fp * fp) / max(1, n_packed + n_fp)
+
+
+def fast_exp_relative_bound(keys_per_part: int, mean_gap: float) -> float:
+    """Bound of ``sum_i w_i |rho_i|``, the softmax-weighted relative error that fast::exp puts on the
+    keys' weights in pass 1 (metal/README.md, "fast::exp"), for exps off by at most
+    ``4 + 2|x|`` ulp (Metal's documented ``3 + floor(2|x|)`` plus one ulp of slack, which the
+    emulator's model uses): ``e^eps - 1`` with ``eps = 2^-23 (4 keys_per_part + 4 mean_gap)``,
+    where ``mean_gap = sum_i w_i (m - s_i)`` (at most ``ln(T + 1)``) and ``keys_per_part - 1`` bounds
+    the rescales after any key of a slice.  The output is then off by at most
+    ``max_i |v_i - o| * b / (1 - b)`` for this ``b``."""
+    return math.expm1(2.0 ** -23 * (4 * keys_per_part + 4 * mean_gap))
 
 
 def _sink_rows(sinks: mx.array, B: int, n_q: int, L: int) -> mx.array:
@@ -76,12 +131,13 @@ def _sink_rows(sinks: mx.array, B: int, n_q: int, L: int) -> mx.array:
 def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits: int, group_size: int,
                      k_lam: mx.array | None = None, k_signs: mx.array | None = None,
                      mask=None, sinks: mx.array | None = None, v_mean: mx.array | None = None,
-                     v_signs: mx.array | None = None, keys_per_part_: int | None = None) -> mx.array:
+                     v_signs: mx.array | None = None, keys_per_part_: int | None = None,
+                     out_dtype=mx.float32) -> mx.array:
     """Attention of few queries over an OIQ cache's segments (keys and values of the same head
     dimension), query preparation included; equals the reference path of
-    ``attention.oiq_attention`` before its cast to the query dtype (``_prepare_queries``, the
-    Hadamard transform, ``_decode_reference``, the packed share un-rotated, ``_combine``), within
-    float32 rounding.
+    ``attention.oiq_attention`` (``_prepare_queries``, the Hadamard transform,
+    ``_decode_reference``, the packed share un-rotated, ``_combine``, cast to ``out_dtype``), within
+    float32 rounding and the fast::exp bound (``fast_exp_relative_bound``).
 
     Args:
         q: ``(B, n_q, L, dk)`` queries as the model gives them (any strides), in the dtype of the
@@ -101,10 +157,14 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
         v_signs: ``(dv,)`` value rotation signs (un-rotate the packed share), or None when values
             are not rotated.
         keys_per_part_: slice length override (tests).
+        out_dtype: the output dtype (float16, bfloat16 or float32): the merge accumulates in
+            float32 and rounds once at the store.
 
     Returns:
-        ``(B, n_q, L, dv)`` float32.
+        ``(B, n_q, L, dv)`` in ``out_dtype``.
     """
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"the merge kernel writes {OUT_DTYPES}, not {out_dtype}")
     sink_k, sink_v, quant, recent_k, recent_v = segments
     B, n_q, L, dk = q.shape
     ref = next(x for x in (sink_v, recent_v, quant and quant[2]) if x is not None)
@@ -152,10 +212,13 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
     rows = rep * L
     qb = query_rows_per_chunk(rows, dk)
     nqc = math.ceil(rows / qb)
-    kpp = keys_per_part_ or keys_per_part(T, B * n_kv * nqc)
-    # slices never straddle two segments (each slice's output is in one domain)
-    p_sink, p_quant, p_recent = (math.ceil(n / kpp) for n in (n_sink, n_quant, n_recent))
+    kpp = keys_per_part_ or keys_per_part(
+        T, B * n_kv * nqc, d=dk, qb=qb,
+        bytes_per_key=bytes_per_key(dk, k_bits, v_bits, group_size, n_quant, n_sink + n_recent, fp_dtype.size))
+    p_sink, p_quant, p_recent = segment_parts(kpp, n_sink, n_quant, n_recent)
     n_parts = p_sink + p_quant + p_recent
+    if n_parts > MAX_PARTS:
+        raise ValueError(f"{n_parts} slices of {kpp} keys: the merge reads at most {MAX_PARTS}")
     params = mx.array([n_sink, n_quant, n_recent, n_kv, rep, L, kpp, nqc, k_bits, v_bits, group_size, mode,
                        p_sink, p_quant, k_lam is not None, k_signs is not None], mx.int32)
     part_o, part_ml = _launch.launch(
@@ -182,10 +245,10 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
                 1.0 / math.sqrt(dv),
                 mx.array([n_kv, rep, L, n_parts, nqc, qb, has_sinks, has_mean, unrotate, p_sink, p_quant],
                          mx.int32)],
-        template=[("D", dv)],
+        template=[("OutT", out_dtype), ("D", dv)],
         grid=(32, n_rows, 1),
         threadgroup=(32, min(ROWS_PER_THREADGROUP, n_rows), 1),
         output_shapes=[(B, n_q, L, dv)],
-        output_dtypes=[mx.float32],
+        output_dtypes=[out_dtype],
     )
     return out

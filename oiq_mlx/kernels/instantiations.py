@@ -19,7 +19,8 @@ MASK_MODES = {0: "none", 1: "causal", 2: "bool array", 3: "additive array"}
 
 def production_instantiations():
     """``(kernel name, ((template name, value), ...))`` for every instantiation dispatch can launch:
-    quantize (T, D), dequantize (OutT, D), decode attention (FT, D, QB), merge (D)."""
+    quantize (T, D), dequantize (OutT, D), decode attention (FT, D, QB), merge (OutT, D): the
+    merge writes the queries' dtype."""
     out = []
     for d in SUPPORTED_DIMS:
         for dt in DTYPES:
@@ -27,7 +28,7 @@ def production_instantiations():
             out.append(("oiq_dequantize", (("OutT", dt), ("D", d))))
             for qb in (qb for qb in QUERY_ROWS if qb <= max_query_rows(d)):
                 out.append(("oiq_decode_attention", (("FT", dt), ("D", d), ("QB", qb))))
-        out.append(("oiq_decode_merge", (("D", d),)))
+            out.append(("oiq_decode_merge", (("OutT", dt), ("D", d))))
     return out
 
 

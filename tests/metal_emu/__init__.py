@@ -24,6 +24,11 @@ What it rejects, as Metal would:
 Semantics worth knowing when reading a failure:
 - Outputs without `init_value` start as NaN (float16/bfloat16/float32) or
   0xCD bytes (integer and bool types): unwritten elements show up.
+- `fast::exp(x)` (float) is off exp(x) by Metal's documented fast-math bound,
+  3 + floor(|2x|) ulp (MSL specification 8.4, Table 8.2), up to one ulp more, on a
+  side hashed from x (a fixed function of x, as on hardware); `emulator.FAST_EXP`
+  or $OIQ_EMU_FAST_EXP (`hash`, `up`, `down`, `exact`, optionally `:SCALE` to
+  multiply the bound) changes that.  The precise `exp` is libm's.
 - `threadgroup` arrays are refilled with 0xFF bytes (NaN / all-ones) for every
   threadgroup; a read before any write sees that.
 - A barrier reached by only part of a group, or lanes of a simdgroup at

@@ -46,6 +46,25 @@ SIMD_WIDTH = 32
 # Execution orders each launch runs (results must agree): $OIQ_EMU_ORDERS, a comma list
 # of forward, reverse, shuffle:SEED.
 DEFAULT_ORDERS = "forward,reverse,shuffle:1"
+# The error model of Metal's fast::exp (see FAST_EXP_MODES): $OIQ_EMU_FAST_EXP, MODE or
+# MODE:SCALE (default hash:1, the documented bound with a sign hashed from the argument).
+FAST_EXP_MODES = {"exact": 0, "hash": 1, "up": 2, "down": 3}
+
+
+def _fast_exp_from_env():
+    text = os.environ.get("OIQ_EMU_FAST_EXP", "hash")
+    mode, _, scale = text.partition(":")
+    if mode not in FAST_EXP_MODES:
+        raise ValueError(f"unknown fast::exp model {text!r} in $OIQ_EMU_FAST_EXP "
+                         f"({', '.join(FAST_EXP_MODES)}, optionally :SCALE)")
+    return mode, float(scale or 1.0)
+
+
+# (mode, scale) of fast::exp for the next launches: the result is off exp(x) by
+# [k, k + 1) ulp, k = floor(scale * (3 + floor(|2x|))) (Metal's documented bound at scale 1),
+# above ("up"), below ("down") or on a side hashed from x's bits ("hash"); "exact" is exp(x)
+# rounded to float.  Results below FLT_MIN are flushed to zero.  Tests set it directly.
+FAST_EXP = _fast_exp_from_env()
 # Kernels that use these rely on full simdgroups of SIMD_WIDTH threads.
 _SIMD_USE = re.compile(r"\bsimd_\w+\s*\(|\bsimdgroup_barrier\b|\bthread_index_in_simdgroup\b|"
                        r"\bsimdgroup_index_in_threadgroup\b")
@@ -317,6 +336,9 @@ def _compile(cpp, kernel_file, src, name):
     lib = _libs.get(key)
     if lib is None:
         lib = ctypes.CDLL(str(so))
+        setter = lib.oiq_emu_set_fast_exp
+        setter.restype = None
+        setter.argtypes = [ctypes.c_int, ctypes.c_double]
         fn = getattr(lib, ENTRY)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint32),
@@ -325,6 +347,8 @@ def _compile(cpp, kernel_file, src, name):
                        ctypes.c_char_p, ctypes.c_int]
         _libs[key] = (lib, json.loads(info_path.read_text()))
     lib, info = _libs[key]
+    mode, scale = FAST_EXP
+    lib.oiq_emu_set_fast_exp(FAST_EXP_MODES[mode], float(scale))
     return getattr(lib, ENTRY), info
 
 

@@ -299,6 +299,62 @@ OIQ_VEC_ALIASES(uint64_t, ulong)
 OIQ_VEC_ALIASES(bool, bool)
 #undef OIQ_VEC_ALIASES
 
+// ---------------------------------------------------------------- fast::exp model
+namespace oiq {
+// How oiq::fast_exp perturbs exp(x): set per launch from Python (oiq_emu_set_fast_exp).
+//   mode 0: exp(x) rounded to float (no perturbation; only for comparisons in tests)
+//   mode 1: sign of the error from a hash of x's bits (a fixed function of x, as hardware is)
+//   mode 2: always above exp(x); mode 3: always below (systematic, the worst for sums)
+// `scale` multiplies the documented bound (1: the bound; > 1: a test that the kernel's
+// tests would see a worse exp).
+struct FastExpModel {
+  int mode = 1;
+  double scale = 1.0;
+};
+inline FastExpModel& fast_exp_model() {
+  static FastExpModel m;
+  return m;
+}
+// Metal's documented fast-math bound for exp at x, in ulp of the result.
+inline double fast_exp_bound_ulp(float x) { return 3.0 + std::floor(std::fabs(2.0 * double(x))); }
+__attribute__((no_sanitize("coverage"))) inline float fast_exp(float x) {
+  if (x != x) return x;
+  double y = std::exp(double(x));
+  const FastExpModel& m = fast_exp_model();
+  if (m.mode == 0) return float(y);
+  if (y < 1.1754943508222875e-38) return 0.0f;  // below FLT_MIN: flushed (error < 2^-126)
+  if (y > 3.4028234663852886e+38) return INFINITY;
+  // k ulp of the result (ulp of the binade of y, 2^(e - 23)), away from y in the chosen
+  // direction and rounded further away: the error is in [k, k + 1) ulp.
+  double k = std::floor(fast_exp_bound_ulp(x) * m.scale);
+  int e;
+  std::frexp(y, &e);  // y = f * 2^e, f in [0.5, 1): the float binade's ulp is 2^(e - 24)
+  double ulp = std::ldexp(1.0, e - 24);
+  int sign;
+  if (m.mode == 2) {
+    sign = 1;
+  } else if (m.mode == 3) {
+    sign = -1;
+  } else {
+    uint32_t h;
+    std::memcpy(&h, &x, 4);
+    h ^= h >> 16;
+    h *= 0x7feb352du;
+    h ^= h >> 15;
+    h *= 0x846ca68bu;
+    h ^= h >> 16;
+    sign = (h & 1u) ? 1 : -1;
+  }
+  double target = y + sign * k * ulp;
+  if (target <= 0.0) return 0.0f;
+  float r = float(target);
+  if (sign > 0 && double(r) < target) r = std::nextafter(r, INFINITY);
+  if (sign < 0 && double(r) > target) r = std::nextafter(r, 0.0f);
+  if (r < 1.1754943508222875e-38f) return 0.0f;
+  return r;
+}
+}  // namespace oiq
+
 // ---------------------------------------------------------------- metal::
 namespace metal {
 
@@ -495,9 +551,23 @@ inline uint32_t ctz(uint32_t x) { return x ? uint32_t(__builtin_ctz(x)) : 32u; }
 inline int32_t mulhi(int32_t a, int32_t b) { return int32_t((int64_t(a) * b) >> 32); }
 inline uint32_t mulhi(uint32_t a, uint32_t b) { return uint32_t((uint64_t(a) * b) >> 32); }
 
+// fast::exp (float): Metal documents `<= 3 + floor(fabs(2 * x)) ulp` with fast math
+// (MSL specification section 8.4, Table 8.2; the precise exp: `<= 4 ulp`, Table 8.1).
+// The emulator returns a result at least that far from exp(x) (oiq::fast_exp), so a
+// kernel that takes fast::exp is tested against the documented bound, not against a
+// libm exp.  A name declared here hides the using-directive's metal::exp for
+// `fast::exp`, so the precise overloads are not candidates; only float exists (Metal's
+// fast variants are for single precision).
 namespace fast {
 using namespace ::metal;
+__attribute__((no_sanitize("coverage"))) inline float exp(float x) { return ::oiq::fast_exp(x); }
+template <int N>
+inline vec<float, N> exp(const vec<float, N>& v) {
+  vec<float, N> r;
+  for (int i = 0; i < N; ++i) r[i] = exp(v[i]);
+  return r;
 }
+}  // namespace fast
 namespace precise {
 using namespace ::metal;
 }
@@ -1145,4 +1215,9 @@ OIQ_ACCESS_HOOKS(16)
 #undef OIQ_ACCESS_HOOKS
 // The coverage flags themselves (one per function) are not used.
 __attribute__((no_sanitize("coverage"))) void __sanitizer_cov_bool_flag_init(bool*, bool*) {}
+// The fast::exp error model of the next launches (emulator.FAST_EXP).
+void oiq_emu_set_fast_exp(int mode, double scale) {
+  ::oiq::fast_exp_model().mode = mode;
+  ::oiq::fast_exp_model().scale = scale;
+}
 }
