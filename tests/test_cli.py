@@ -103,6 +103,8 @@ def test_stdin_that_is_not_utf8():
 def _filled(cache, tokens, heads=2, dim=64, dtype=mx.float32):
     x = mx.random.normal((1, heads, tokens, dim)).astype(dtype)
     cache.update_and_fetch(x, x)
+    if hasattr(cache, "release_fresh"):
+        cache.release_fresh()  # as attention does once it has read the prompt
     mx.eval(cache.state)
     return cache
 

@@ -22,7 +22,7 @@ import pytest
 
 from metal_emu import MetalEmuError, emulator
 from oiq_mlx import attention, codec, dispatch, rotation
-from oiq_mlx.cache import OIQKVCache
+from oiq_mlx.cache import OIQKVCache, halves
 from oiq_mlx.config import OIQConfig
 from oiq_mlx.kernels import _launch, _source, check
 from oiq_mlx.kernels._source import SUPPORTED_DIMS
@@ -520,7 +520,13 @@ def test_decode_attention_fast_exp_tolerance_can_fail(metal_emulator, monkeypatc
 def test_decode_attention_nan_group_shows(metal_emulator):
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
     cache = _filled_cache(cfg, n_kv=1, d=128, T=100, dtype=mx.float32)
-    cache.k.scales[0, 0, 10, 1] = mx.nan
+    # one key group's scale NaN, written into the packed rows keys and values share
+    codes, scales = codec.split_rows(cache._kv_rows, 128, 4, 32)
+    scales = mx.array(np.array(scales))
+    scales[0, 0, 0, 10, 1] = mx.nan
+    cache._kv_rows = codec.join_rows(mx.contiguous(codes), scales)
+    cache.k.rows, cache.v.rows = halves(cache._kv_rows)
+    assert np.isnan(np.array(cache.k.scales[0, 0, 10, 1])) and not np.isnan(np.array(cache.v.scales)).any()
     q = _queries(cache, 1, 1, 1, 128)
     out = _kernel_attention(q, cache)
     assert np.isnan(np.array(out)).all()
