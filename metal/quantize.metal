@@ -5,13 +5,27 @@
 // head) of D values, lane l owning values [l*E, (l+1)*E).  Template: T (input
 // dtype), D, ROWS.  params: bits, group size, rotate, clip, rows per lam row
 // (0: no key scales), rows per signs row, round (cast the rotated row back to
-// T before quantizing, as rotation.rotate does for T input); all uniform over
-// the launch, so their branches and loop bounds are too.
-// Inputs: x (N, D); lam (N / rows_per_lam, D) float32 key scales (or a
-// placeholder); signs (N / rows_per_signs, D) float32; rot_scale (float,
-// 1/sqrt(D)); clip_ratios (11,) float32 (codec.CLIP_RATIOS); params.
+// T before quantizing, as rotation.rotate does for T input), joined; all
+// uniform over the launch, so their branches and loop bounds are too.
+// Inputs (the kernel is built without ensure_row_contiguous: every input is
+// read through its strides, none is copied before the launch):
+//   x (..., D): N = prod(leading axes) rows, any strides (a slice of the
+//   cache's stacked window buffer along the token axis, a transposed view):
+//   row r is located over the leading axes from x_shape / x_strides (the
+//   last leading axis varying fastest), its values x_strides[ndim - 1] apart;
+//   lam (N / rows_per_lam, D) float32 key scales (or a placeholder) and signs
+//   (N / rows_per_signs, D) float32, read through their two strides;
+//   rot_scale (float, 1/sqrt(D)); clip_ratios (11,) float32
+//   (codec.CLIP_RATIOS); params.
 // The row as quantized: y = H(x / lam * signs) / sqrt(D) (dispatch.quantize_rows).
-// Outputs: codes (N, D*bits/32) uint32, scales (N, D/group) float16.
+// Outputs (contiguous, row r at r * width), G = D / group scales per row:
+//   joined = 0: codes (N, W = D*bits/32) uint32, scales (N, G) float16.
+//   joined = 1: codes (N, W + S) uint32, codec.join_rows(codes, scales): the W
+//   code words, then S = ceil(G / 2) words of float16 scale bits, scale 2j in
+//   the low half of word W + j and 2j + 1 in the high half (an odd G leaves a
+//   zero high half in the last word); written by the first lane of each even
+//   group, which takes the next group's scale by simd_shuffle.  scales is then
+//   a (1,) placeholder, never written.
 constexpr int E = D / 32;
 constexpr int N_CLIP = 11;
 
@@ -24,7 +38,10 @@ bool clip = params[3] != 0;
 int rows_per_lam = params[4];
 int rows_per_signs = params[5];
 bool round_to_input = params[6] != 0;
+bool joined = params[7] != 0;
 int W = D * bits / 32;
+int G = D / group;
+int row_words = joined ? W + (G + 1) / 2 : W;
 int lanes_per_group = group / E;
 float half_levels = float((1 << bits) - 1) / 2.0f;
 
@@ -32,19 +49,35 @@ uint lane = thread_position_in_threadgroup.x;
 uint r = thread_position_in_threadgroup.y;
 uint row = thread_position_in_grid.y;
 
-const device T* xr = x + size_t(row) * D + lane * E;
+// The row's first value: row -> index over the leading axes, last one fastest.
+int64_t loc = 0;
+uint rest = row;
+for (int k = x_ndim - 2; k >= 0; k--) {
+  loc += int64_t(rest % uint(x_shape[k])) * x_strides[k];
+  rest /= uint(x_shape[k]);
+}
+int64_t step = x_strides[x_ndim - 1];
+const device T* xr = x + loc + int64_t(lane * E) * step;
 float y[E];
-for (int e = 0; e < E; e++) {
-  y[e] = float(xr[e]);
+if (step == 1) {
+  for (int e = 0; e < E; e++) {
+    y[e] = float(xr[e]);
+  }
+} else {
+  for (int e = 0; e < E; e++) {
+    y[e] = float(xr[e * step]);
+  }
 }
 if (rows_per_lam > 0) {
+  int64_t base = int64_t(row / rows_per_lam) * lam_strides[0];
   for (int e = 0; e < E; e++) {
-    y[e] = y[e] / lam[(row / rows_per_lam) * D + lane * E + e];
+    y[e] = y[e] / lam[base + int64_t(lane * E + e) * lam_strides[1]];
   }
 }
 if (rotate) {
+  int64_t base = int64_t(row / rows_per_signs) * signs_strides[0];
   for (int e = 0; e < E; e++) {
-    y[e] *= signs[(row / rows_per_signs) * D + lane * E + e];
+    y[e] *= signs[base + int64_t(lane * E + e) * signs_strides[1]];
   }
   oiq_wht<E>(y, lane, rot_scale);
   if (round_to_input) {
@@ -106,9 +139,20 @@ for (int e = 0; e < E; e++) {
   float c = scale > 0.0f ? clamp(rint(y[e] / scale + half_levels), 0.0f, 2.0f * half_levels) : 0.0f;
   tg_codes[r * D + lane * E + e] = uchar(c);
 }
-if ((lane * E) % group == 0) {
-  scales[size_t(row) * (D / group) + lane * E / group] =
-      bad ? numeric_limits<half>::quiet_NaN() : scale_h;
+// Every lane of a group holds the group's scale (the reductions above are
+// butterflies over the group's lanes).
+half stored = bad ? numeric_limits<half>::quiet_NaN() : scale_h;
+if (joined) {
+  // the scale of the group after this lane's, from the first lane of that group
+  // (wrapping around at the last group, whose pair is then the zero padding)
+  uint bits_here = uint(as_type<ushort>(stored));
+  uint bits_next = simd_shuffle(bits_here, ushort((lane + uint(lanes_per_group)) & 31u));
+  int g = int(lane) * E / group;
+  if ((int(lane) * E) % (2 * group) == 0) {
+    codes[size_t(row) * row_words + W + g / 2] = bits_here | ((g + 1 < G ? bits_next : 0u) << 16);
+  }
+} else if ((lane * E) % group == 0) {
+  scales[size_t(row) * G + lane * E / group] = stored;
 }
 
 threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -124,5 +168,5 @@ for (int w = lane; w < W; w += 32) {
     uint v = tg_codes[r * D + i];
     word |= off >= 0 ? (v << uint(off)) : (v >> uint(-off));
   }
-  codes[size_t(row) * W + w] = word;
+  codes[size_t(row) * row_words + w] = word;
 }

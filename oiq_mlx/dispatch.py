@@ -99,17 +99,18 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
     scales bit-exact.
 
     Args:
-        x: ``(..., n, d)`` rows as the window holds them (centered, model dtype).
+        x: ``(..., n, d)`` rows as the window holds them (centered, model dtype); a slice of
+            the window buffer along the row axis is read in place by the kernel (pass it as it
+            is: reshaping it would copy).
         lam: key scales, float32, broadcastable to ``x`` with size 1 on the row axis, or None.
         signs: the rotation signs, float32, broadcastable the same way.
         joined: return the packed rows ``codec.join_rows(codes, scales)`` (what the cache
-            stores) instead of ``(codes, scales)``.
+            stores) instead of ``(codes, scales)``; the kernel writes them directly.
     """
     if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
             and codec_shape_ok(x.shape[-1], bits, group_size)):
-        out = kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
-                                   clip=clip)
-        return codec.join_rows(*out) if joined else out
+        return kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
+                                    clip=clip, joined=joined)
     y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
     if rotate:
         y = rotation.hadamard(y)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from metal_emu import MetalEmuError, emulator
-from oiq_mlx import attention, codec, dispatch, rotation
+from oiq_mlx import attention, codec, dispatch, rotation, trace
 from oiq_mlx.cache import OIQKVCache, halves
 from oiq_mlx.config import OIQConfig
 from oiq_mlx.kernels import _launch, _source, check
@@ -69,6 +69,21 @@ def _assert_bit_exact(got, want, what):
     bad = np.argwhere((got_b != want_b) & ~(nan_got & nan_want) | (nan_got != nan_want))
     assert bad.size == 0, f"{what}: {len(bad)} mismatches, first {bad[:3].tolist()}: " \
         f"{[(got_b[tuple(i)], want_b[tuple(i)]) for i in bad[:3]]}"
+
+
+def _assert_rows_bit_exact(got, want, code_words, what):
+    """Packed rows (codec.join_rows) the same bit for bit, except that a NaN scale matches any NaN:
+    MLX's CPU float32 -> float16 conversion makes NaN 0x7d00, the kernel 0x7e00."""
+    assert got.dtype == want.dtype == mx.uint32 and got.shape == want.shape, (what, got.dtype, got.shape)
+    g16, w16 = np.array(got).view(np.uint16), np.array(want).view(np.uint16)  # low half first
+    scale_half = np.arange(g16.shape[-1]) >= 2 * code_words
+
+    def nan(h):
+        return ((h & 0x7C00) == 0x7C00) & ((h & 0x3FF) != 0)
+
+    bad = np.argwhere((g16 != w16) & ~(scale_half & nan(g16) & nan(w16)))
+    assert bad.size == 0, f"{what}: {len(bad)} mismatched half-words, first {bad[:3].tolist()}: " \
+        f"{[(hex(g16[tuple(i)]), hex(w16[tuple(i)])) for i in bad[:3]]}"
 
 
 def _codec_cases():
@@ -135,6 +150,86 @@ def test_fused_clip_search_bit_exact_and_non_finite(metal_emulator, bits, group_
     want_codes, want_scales = codec.quantize(y, bits, group_size, clip=True)
     _assert_bit_exact(codes, want_codes, "codes")
     _assert_bit_exact(scales, want_scales, "scales")
+
+
+def _window_buffer(B, H, cap, d, dtype, seed):
+    """A stacked window buffer ``(2, B, H, cap, d)`` and its per-side tables as the cache passes
+    them: key scales ``(2, B, H, 1, d)`` (ones for values), signs ``(2, 1, 1, 1, d)``."""
+    buf = mx.stack([_heavy_tailed((B, H, cap, d), dtype, seed=seed),
+                    mx.random.normal((B, H, cap, d), key=mx.random.key(seed + 1)).astype(dtype)])
+    lam = 1.0 + mx.abs(mx.random.normal((B, H, 1, d), key=mx.random.key(seed + 2))) ** 2
+    lam = mx.stack([lam, mx.ones_like(lam)])
+    signs = mx.stack([rotation.random_signs(1, d), rotation.random_signs(2, d)]).reshape(2, 1, 1, 1, d)
+    mx.eval(buf, lam, signs)
+    return buf, lam, signs
+
+
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
+@pytest.mark.parametrize("d, group_size, dtype", [(64, 64, mx.float16), (64, None, mx.bfloat16),
+                                                  (128, None, mx.float16), (128, 128, mx.float32)])
+def test_fused_quantize_rows_joined_bit_exact(metal_emulator, preset, d, group_size, dtype):
+    """joined=True writes codec.join_rows(codes, scales) directly, bit for bit (scale pairs in
+    one word, low half first; one group per row leaves a zero high half), for every preset's
+    bits and clip, reading a slice of a stacked window buffer in place; NaN groups included."""
+    cfg = OIQConfig.preset(preset)
+    g = group_size or cfg.group_size
+    buf, lam, signs = _window_buffer(1, 3, 24, d, dtype, seed=d + g)
+    buf[1, 0, 1, 9, 3] = mx.nan  # one value row: its first group's scale NaN, codes 0
+    a, b = 5, 18
+    rows = kernel_quantize_rows(buf[:, :, :, a:b], bits=cfg.k_bits, group_size=g, clip=cfg.clip, lam=lam,
+                                signs=signs, rotate=True, joined=True)
+    w = codec.packed_width(d, cfg.k_bits)
+    assert rows.dtype == mx.uint32 and rows.shape == (2, 1, 3, b - a, codec.row_width(d, cfg.k_bits, g))
+    for i, lam_i in enumerate((lam[0], None)):
+        want = codec.join_rows(*_spec_rows(buf[i, :, :, a:b], lam_i, signs[i].reshape(d), cfg.k_bits, g, cfg.clip))
+        _assert_rows_bit_exact(rows[i], want, w, f"joined rows side {i}")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(dispatch, "kernels_enabled", lambda: False)
+        reference = dispatch.quantize_rows(buf[:, :, :, a:b], cfg.k_bits, g, clip=cfg.clip, lam=lam, signs=signs,
+                                           joined=True)
+    _assert_rows_bit_exact(rows, reference, w, "joined rows against dispatch's reference path")
+    # the rotation spreads the NaN over its row: every scale NaN, every code 0; other rows finite
+    halves = np.array(rows)[..., w:].view(np.uint16)[..., : d // g] & 0x7FFF
+    nan = halves > 0x7C00
+    assert nan[1, 0, 1, 9 - a].all() and nan.sum() == d // g
+    assert (np.array(rows[1, 0, 1, 9 - a, :w]) == 0).all()
+    if (d // g) % 2:
+        assert (np.array(rows[..., -1]) >> 16 == 0).all()  # the padding half
+
+
+@pytest.mark.parametrize("joined", [False, True])
+def test_quantize_rows_reads_strided_input_in_place(metal_emulator, joined):
+    """A slice of the window buffer along the row axis (and a view whose last axis is not
+    contiguous) gives what its contiguous copy gives."""
+    d, bits, g = 128, 3, 32
+    buf, lam, signs = _window_buffer(2, 2, 40, d, mx.float16, seed=4)
+
+    def run(x):
+        out = kernel_quantize_rows(x, bits=bits, group_size=g, clip=True, lam=lam, signs=signs, rotate=True,
+                                   joined=joined)
+        return out if joined else mx.concatenate([out[0], out[1].view(mx.uint32)], axis=-1)
+
+    contiguous = mx.array(np.array(buf[:, :, :, 17:30]))
+    want = run(contiguous)
+    _assert_bit_exact(run(buf[:, :, :, 17:30]), want, "row slice")
+    transposed = mx.array(np.ascontiguousarray(np.swapaxes(np.array(contiguous), -1, -2)))
+    _assert_bit_exact(run(mx.swapaxes(transposed, -1, -2)), want, "last axis strided")
+
+
+def test_quantize_rows_of_a_strided_slice_launches_only_the_kernel():
+    """dispatch.quantize_rows(slice of the window buffer, joined=True): one kernel call whose
+    inputs need no work (the slice reaches it as it is, not reshaped: a reshape of rows whose
+    strides do not merge would copy), and its output is the kernel's own."""
+    d, bits, g = 128, 4, 32
+    buf, lam, signs = _window_buffer(1, 2, 32, d, mx.float16, seed=5)
+    x = buf[:, :, :, 8:24]
+    calls = []
+    with trace.metal_kernels_selected(calls):
+        rows = dispatch.quantize_rows(x, bits, g, lam=lam, signs=signs, clip=False, joined=True)
+        graph = trace.launching_primitives([rows, *calls[0]])
+    assert len(calls) == 1 and graph == {}, graph
+    assert calls[0][0].shape == x.shape
+    assert rows.shape == (2, 1, 2, 16, codec.row_width(d, bits, g))
 
 
 def test_cache_packs_through_the_fused_kernel(kernels_on):
@@ -706,6 +801,17 @@ def _quantize_check(d=128, bits=4, dtype=mx.float32, rotate=True):
     return check
 
 
+def _joined_check(d, group_size, bits=4):
+    def check():
+        x = _heavy_tailed((2, 5, d), mx.float16, seed=d)
+        signs = rotation.random_signs(seed=0, dim=d)
+        rows = kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=None, signs=signs, rotate=True,
+                                    clip=False, joined=True)
+        _assert_rows_bit_exact(rows, codec.join_rows(*_spec_rows(x, None, signs, bits, group_size, False)),
+                               codec.packed_width(d, bits), "rows")
+    return check
+
+
 def _dequantize_check(bits=3):
     def check():
         y = _heavy_tailed((5, 128), mx.float32, seed=2)
@@ -741,6 +847,10 @@ MUTATIONS = {
     "pack mask one bit wide": ("oiq_common.h", "uint mask = (1u << bits) - 1u;", "uint mask = (2u << bits) - 1u;",
                                _dequantize_check()),
     "straddling bits dropped": ("quantize.metal", "(v >> uint(-off))", "0u", _quantize_check(bits=3)),
+    "odd scale count not padded": ("quantize.metal", "(g + 1 < G ? bits_next : 0u)", "bits_next",
+                                   _joined_check(d=64, group_size=64)),
+    "scale pair swapped": ("quantize.metal", "bits_here | ((g + 1 < G ? bits_next : 0u) << 16)",
+                           "(g + 1 < G ? bits_next : 0u) | (bits_here << 16)", _joined_check(d=128, group_size=32)),
     "causal mask off by one": ("decode_attention.metal", "s = tj <= T - L + qpos[i] ? s : -INFINITY;",
                                "s = tj < T - L + qpos[i] ? s : -INFINITY;", _attention_check("causal", L=3)),
     "new max without rescale": ("decode_attention.metal", "o[i][e] = o[i][e] * f + vv[j][e];",
@@ -851,6 +961,7 @@ def test_every_production_instantiation_ran():
     all_pairs = {(b, g) for d in SUPPORTED_DIMS for b, g in codec_params(d)}
     assert values("oiq_quantize", 0, 1) == all_pairs and values("oiq_quantize", 2) == {(0,), (1,)}
     assert values("oiq_quantize", 3) == {(0,), (1,)}                                           # clip search
+    assert values("oiq_quantize", 7) == {(0,), (1,)}                                           # joined rows
     assert {r["params"][4] > 0 for r in _launched("oiq_quantize")} == {False, True}          # key scales
     assert values("oiq_dequantize", 0, 1) == all_pairs and values("oiq_dequantize", 2) == {(0,), (1,)}
     att = _launched("oiq_decode_attention")

@@ -251,6 +251,26 @@ def test_simd_collectives():
     assert np.array_equal(sg, np.tile(np.repeat([0, 1], 32), 2))
 
 
+_BITS16 = _kernel("emu_bits16", """
+    uint i = thread_position_in_grid.x;
+    out[i] = uint(as_type<ushort>(x[i])) | (uint(as_type<ushort>(T(float(x[i]) * 2.0f))) << 16);
+""", ["x"], ["out"])
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_as_type_of_16_bit_floats(dtype):
+    """as_type<ushort> of half / bfloat16_t: their bits (the type-checking build, whose stand-ins
+    for them are wider types, compiles it too)."""
+    x = mx.array([1.0, -2.5, 0.0, 65504.0 if dtype == mx.float16 else 3e38, 1e-7, float("inf"),
+                  float("nan"), -0.0], dtype)
+    (out,) = launch(_BITS16, inputs=[x], template=[("T", dtype)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
+                    output_shapes=[(8,)], output_dtypes=[mx.uint32])
+    want = np.array(x.view(mx.uint16)).astype(np.uint32) | \
+        (np.array((x.astype(mx.float32) * 2).astype(dtype).view(mx.uint16)).astype(np.uint32) << 16)
+    assert np.array_equal(np.array(out)[:6], want[:6]) and np.array_equal(np.array(out)[7], want[7])
+    assert (np.array(out)[6] & 0x7FFF) == (np.array(x.view(mx.uint16))[6] & 0x7FFF)  # the NaN's own bits
+
+
 def test_partial_simdgroup_is_refused_for_simd_kernels():
     # Metal forms simdgroups of 32 threads; a kernel using simd_* on a 40-thread grid would
     # reduce over 8 lanes in the last group: refused before running.

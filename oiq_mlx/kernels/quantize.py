@@ -16,39 +16,62 @@ ROWS_PER_THREADGROUP = 4
 
 
 def _kernel():
+    # read through strides: x as the cache passes it (a slice of its stacked window buffer along
+    # the token axis, whose reshape to rows would be a copy), the tables as reshaped below
     return build_kernel("oiq_quantize", "quantize.metal", ("x", "lam", "signs", "rot_scale", "clip_ratios", "params"),
-                        ("codes", "scales"))
+                        ("codes", "scales"), row_contiguous=False)
 
 
 @functools.lru_cache(maxsize=None)
-def _constant(values: tuple) -> mx.array:
+def _constant(values: tuple, shape: tuple | None = None) -> mx.array:
     """A small float32 input (placeholder, clip ratios): built once, not per call."""
     a = mx.array(values, mx.float32)
+    if shape is not None:
+        a = a.reshape(shape)
     mx.eval(a)
     return a
 
 
-def _launch_quantize(x2: mx.array, lam2, signs2, *, bits: int, group_size: int, rotate: bool, clip: bool,
-                     round_to_input: bool):
-    n, d = x2.shape
+def _launch_quantize(x: mx.array, lam2, signs2, *, bits: int, group_size: int, rotate: bool, clip: bool,
+                     round_to_input: bool, joined: bool):
+    """The kernel over the rows of ``x`` ``(..., d)`` as it is (any strides: no copy, no reshape);
+    ``lam2``, ``signs2``: ``(groups, d)`` tables (``_rows_of``).  Returns ``(codes, scales)``
+    shaped like ``x``'s rows, or the joined rows."""
+    d = x.shape[-1]
+    lead = tuple(x.shape[:-1])
+    n = math.prod(lead)
+    w, g = d * bits // 32, d // group_size
+    if joined:
+        shapes, dtypes = [(*lead, w + codec.scale_words(d, group_size)), (1,)], [mx.uint32, mx.float16]
+    else:
+        shapes, dtypes = [(*lead, w), (*lead, g)], [mx.uint32, mx.float16]
     rows_per_lam = 0 if lam2 is None else n // lam2.shape[0]
-    return _launch.launch(
+    out = _launch.launch(
         _kernel(),
-        inputs=[x2, _constant((1.0,)) if lam2 is None else lam2, signs2, 1.0 / math.sqrt(d),
+        inputs=[x, _constant((1.0,), (1, 1)) if lam2 is None else lam2, signs2, 1.0 / math.sqrt(d),
                 _constant(codec.CLIP_RATIOS),
                 mx.array([bits, group_size, int(rotate), int(clip), rows_per_lam, n // signs2.shape[0],
-                          int(round_to_input)], mx.int32)],
-        template=[("T", x2.dtype), ("D", d), ("ROWS", ROWS_PER_THREADGROUP)],
+                          int(round_to_input), int(joined)], mx.int32)],
+        template=[("T", x.dtype), ("D", d), ("ROWS", ROWS_PER_THREADGROUP)],
         grid=(32, n, 1),
         threadgroup=(32, min(ROWS_PER_THREADGROUP, n), 1),
-        output_shapes=[(n, d * bits // 32), (n, d // group_size)],
-        output_dtypes=[mx.uint32, mx.float16],
+        output_shapes=shapes,
+        output_dtypes=dtypes,
     )
+    return out[0] if joined else (out[0], out[1])
+
+
+def _empty(lead: tuple, d: int, bits: int, group_size: int, joined: bool):
+    if joined:
+        return mx.zeros((*lead, codec.row_width(d, bits, group_size)), mx.uint32)
+    return mx.zeros((*lead, d * bits // 32), mx.uint32), mx.zeros((*lead, d // group_size), mx.float16)
 
 
 def _rows_of(a: mx.array, lead: tuple, what: str) -> mx.array:
     """``a`` (broadcastable to ``(*lead, d)`` along whole trailing blocks of rows) as a
-    ``(groups, d)`` table: row r of the flattened input uses table row ``r // (N / groups)``."""
+    ``(groups, d)`` table: row r of the flattened input uses table row ``r // (N / groups)``.
+    (A view when ``a`` is contiguous, as the cache's tables are; the kernel reads it through
+    its strides either way.)"""
     shape = (1,) * (len(lead) + 1 - a.ndim) + tuple(a.shape)
     k = len(lead)
     while k > 0 and shape[k - 1] == 1:
@@ -59,26 +82,27 @@ def _rows_of(a: mx.array, lead: tuple, what: str) -> mx.array:
 
 
 def quantize_rows(x: mx.array, *, bits: int, group_size: int, lam: mx.array | None, signs: mx.array,
-                  rotate: bool, clip: bool):
+                  rotate: bool, clip: bool, joined: bool = False):
     """Codes and scales of cache rows entering the packed segment, in one pass; equals
     ``dispatch.quantize_rows`` (``codec.quantize(hadamard(x / lam * signs), clip=clip)``), packed
     codes and scales bit-exact.
 
     Args:
-        x: ``(..., n, d)`` rows in the cache dtype.
+        x: ``(..., n, d)`` rows in the cache dtype, any strides (a slice of a larger buffer is
+            read in place, not copied).
         lam: key scales broadcastable to ``x`` with size 1 on the row axis (and on any axis
             after a size-1 one), float32, or None.
         signs: rotation signs broadcastable the same way (``(d,)``, or one per leading block).
+        joined: return one uint32 array ``(..., n, W + S)`` equal to
+            ``codec.join_rows(codes, scales)`` (the cache's packed rows) instead of the pair.
     """
     d = x.shape[-1]
     lead = x.shape[:-1]
-    n = math.prod(lead)
-    if n == 0:
-        return mx.zeros((*lead, d * bits // 32), mx.uint32), mx.zeros((*lead, d // group_size), mx.float16)
-    codes, scales = _launch_quantize(
-        x.reshape(n, d), None if lam is None else _rows_of(lam, lead, "lam"), _rows_of(signs, lead, "signs"),
-        bits=bits, group_size=group_size, rotate=rotate, clip=clip, round_to_input=False)
-    return codes.reshape(*lead, d * bits // 32), scales.reshape(*lead, d // group_size)
+    if math.prod(lead) == 0:
+        return _empty(lead, d, bits, group_size, joined)
+    return _launch_quantize(x, None if lam is None else _rows_of(lam, lead, "lam"), _rows_of(signs, lead, "signs"),
+                            bits=bits, group_size=group_size, rotate=rotate, clip=clip, round_to_input=False,
+                            joined=joined)
 
 
 def quantize(x: mx.array, *, bits: int, group_size: int, signs: mx.array | None = None):
@@ -95,12 +119,10 @@ def quantize(x: mx.array, *, bits: int, group_size: int, signs: mx.array | None 
     """
     d = x.shape[-1]
     lead = x.shape[:-1]
-    n = math.prod(lead)
     rotate = signs is not None
     if signs is None:
         signs = mx.ones((d,), mx.float32)
-    if n == 0:
-        return mx.zeros((*lead, d * bits // 32), mx.uint32), mx.zeros((*lead, d // group_size), mx.float16)
-    codes, scales = _launch_quantize(x.reshape(n, d), None, signs.astype(mx.float32).reshape(1, d), bits=bits,
-                                     group_size=group_size, rotate=rotate, clip=False, round_to_input=True)
-    return codes.reshape(*lead, d * bits // 32), scales.reshape(*lead, d // group_size)
+    if math.prod(lead) == 0:
+        return _empty(lead, d, bits, group_size, False)
+    return _launch_quantize(x, None, signs.astype(mx.float32).reshape(1, d), bits=bits, group_size=group_size,
+                            rotate=rotate, clip=False, round_to_input=True, joined=False)

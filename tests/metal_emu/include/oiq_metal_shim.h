@@ -407,11 +407,24 @@ struct numeric_limits<bfloat16_t> {
   static bfloat16_t quiet_NaN() { return from_bits(0x7fc0); }
 };
 
+// Sizes as in Metal: the type-checking build's stand-ins for half and
+// bfloat16_t are wider builtin types.
+template <class T>
+struct oiq_metal_size : std::integral_constant<size_t, sizeof(T)> {};
+#ifdef OIQ_EMU_ADDRESS_SPACES
+template <>
+struct oiq_metal_size<half> : std::integral_constant<size_t, 2> {};
+template <>
+struct oiq_metal_size<bfloat16_t> : std::integral_constant<size_t, 2> {};
+#endif
+
 template <class To, class From>
-inline To as_type(const From& f) {
-  static_assert(sizeof(To) == sizeof(From), "as_type: sizes differ");
+inline To as_type(From f) {  // by value: the deduced type drops the address space
+  static_assert(oiq_metal_size<To>::value == oiq_metal_size<From>::value, "as_type: sizes differ");
   To t;
+#ifndef OIQ_EMU_ADDRESS_SPACES  // the type-checking build is never run
   std::memcpy(&t, &f, sizeof(To));
+#endif
   return t;
 }
 
