@@ -105,7 +105,8 @@ def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_
     ``make_cache()`` builds the layer's cache; ``attend(cache, fetched, q)`` runs attention with
     what ``update_and_fetch`` returned.  Returns ``{"min", "max", "mean", "per_step",
     "breakdown"}``: the steady step, the costliest (an OIQ step that packs a block, an mlx-lm step
-    that grows its buffers), the mean, every step's count, and the primitives of the first step.
+    that grows its buffers), the mean, every step's count, and the primitives of the first step
+    (``"breakdowns"``: of every step).
     """
     key = mx.random.key(seed)
     cache = make_cache()
@@ -116,7 +117,7 @@ def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_
         if hasattr(cache, "release_fresh"):
             cache.release_fresh()  # what attention over the prompt would do after reading it
         mx.eval(_arrays_of(cache))
-    per_step, breakdown = [], None
+    per_step, breakdowns = [], []
     for _ in range(steps):
         k1, k2, key = mx.random.split(key, 3)
         kv = mx.random.normal((2, 1, n_kv_heads, 1, head_dim), key=k1).astype(dtype)
@@ -129,6 +130,6 @@ def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_
 
         total, graph = step_dispatches(append, lambda fetched: attend(cache, fetched, q), kernels=kernels)
         per_step.append(total)
-        breakdown = breakdown or dict(graph)
+        breakdowns.append(dict(graph))
     return {"min": min(per_step), "max": max(per_step), "mean": sum(per_step) / len(per_step),
-            "per_step": per_step, "breakdown": breakdown}
+            "per_step": per_step, "breakdown": breakdowns[0], "breakdowns": breakdowns}

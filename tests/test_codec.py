@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from oiq_mlx import codec
-from oiq_mlx.codec import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, bytes_per_token, dequantize, quantize
+from oiq_mlx.codec import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, bytes_per_token, dequantize, join_rows, quantize
 
 COMBOS = [(b, g) for b in SUPPORTED_BITS for g in SUPPORTED_GROUP_SIZES]
 
@@ -122,9 +122,11 @@ def test_bytes_per_token():
     assert bytes_per_token(128, 3, 32) == 56
     assert bytes_per_token(128, 2, 32) == 40
     assert bytes_per_token(64, 4, 32) == 36
-    assert bytes_per_token(128, 8, 128) == 130
-    codes, scales = quantize(mx.zeros((10, 128)), 3, 32)
-    assert codes.nbytes + scales.nbytes == 10 * bytes_per_token(128, 3, 32)
+    # one group: its float16 scale takes a whole word of the packed row (half of it padding)
+    assert bytes_per_token(128, 8, 128) == 132
+    for bits, group in ((3, 32), (8, 128)):
+        rows = join_rows(*quantize(mx.zeros((10, 128)), bits, group))
+        assert rows.nbytes == 10 * bytes_per_token(128, bits, group)
 
 
 @pytest.mark.parametrize(
