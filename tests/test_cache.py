@@ -158,6 +158,37 @@ def test_centering_helps_offset_keys():
     assert errs[True] < 0.1 * errs[False]
 
 
+def test_a_call_attends_to_the_window_it_found_exactly():
+    """A call of several tokens that moves the window on (a prefill chunk, a speculative draft)
+    packs rows its queries would have seen exactly one call earlier: they still get them exact,
+    and the next call gets them packed."""
+    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=16)
+    d, L = 64, 16
+    k1, k2, k3 = mx.random.split(mx.random.key(5), 3)
+    k = mx.random.normal((1, 2, 60, d), key=k1)
+    v = mx.random.normal((1, 2, 60, d), key=k2)
+    q = mx.random.normal((1, 4, L, d), key=k3)
+    cache = OIQKVCache(cfg)
+    cache.update_and_fetch(k[:, :, :44], v[:, :, :44])
+    cache.release_fresh()
+    found = cache.q_end
+    assert found == 20  # packed [4, 20), window [20, 44)
+    cache.update_and_fetch(k[:, :, 44:], v[:, :, 44:])
+    assert cache.q_end == 36 > found  # the call packed [20, 36), which it found in the window
+    out = oiq_attention(q, cache, d**-0.5, "causal")
+    kd, vd = cache.dequantized_kv()
+    exact = reference_attention(q, mx.concatenate([kd[:, :, :found], k[:, :, found:]], 2),
+                                mx.concatenate([vd[:, :, :found], v[:, :, found:]], 2), d**-0.5)
+    packed = reference_attention(q, kd, vd, d**-0.5)
+    assert float(mx.abs(out - exact).max()) < 1e-4
+    assert float(mx.abs(out - packed).max()) > 1e-2
+    # the next call reads what is stored
+    q1 = q[:, :, :1]
+    cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    kd, vd = cache.dequantized_kv()
+    assert float(mx.abs(oiq_attention(q1, cache, d**-0.5) - reference_attention(q1, kd, vd, d**-0.5)).max()) < 1e-4
+
+
 @pytest.mark.parametrize("preset", ["4bit", "2bit"])
 def test_decode_and_prefill_paths_agree(preset, monkeypatch):
     cache = OIQKVCache(OIQConfig.preset(preset))
