@@ -51,11 +51,14 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import dispatch
 from .batch_cache import BatchOIQKVCache, detached_copy
-from .codec import _FP16_MAX, bytes_per_token, dequantize, join_rows, split_rows
+from .codec import _FP16_MAX, bytes_per_token, dequantize, join_rows, row_width, split_rows
 from .config import OIQConfig
 from .rotation import random_signs, rotate, unrotate
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+# Packing more rows than this at once (a prompt) quantizes keys and values one after the other,
+# which halves the reference quantizer's temporaries; a decode step's block goes in one pass.
+_STACK_MAX_ROWS = 64
 
 
 def layer_seed(seed: int, layer_idx: int, which: int) -> int:
@@ -244,13 +247,15 @@ class OIQKVCache(_BaseCache):
         self.q_end = self.config.sink_tokens
         self.recent_start = self.config.sink_tokens
         self.dtype = None
-        # first position the current call attends in full precision (attention_segments)
-        self._attend_from = None
+        # first position the current call attends in full precision (attention_segments), and
+        # for a call that packs some of its own rows, those rows in full precision: (keys, values)
+        self._attend_from = self._fresh = None
         self._stacked = None
         # keys and values of equal width are stored stacked on a new first axis, (2, B, H,
         # rows, .), and self.k / self.v hold views of them: a decode step writes the window
         # once, and a packed block once (codes and scales joined in one row, codec.join_rows)
         self._kv_recent = self._kv_rows = None
+        self._views = None  # memo of _packed_views
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
         self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
@@ -293,16 +298,29 @@ class OIQKVCache(_BaseCache):
         cfg, start, L = self.config, self.offset, keys.shape[2]
         if L == 0:
             # as mlx-lm's KVCache: an empty update stores nothing (and estimates nothing)
-            self._attend_from = None
+            self._attend_from = self._fresh = None
             return self, self
         bh = tuple(keys.shape[:2])
         # rows from here on (the window as this call finds it, and the call's own rows) are
         # attended in full precision by this call's queries, even those the call packs
-        self._attend_from = max(self.q_end, cfg.sink_tokens)
+        self._attend_from = found = max(self.q_end, cfg.sink_tokens)
+        self._fresh = found_rows = None
+        packs_own = self.packed_end(start + L) > start
+        if packs_own and start > found:
+            # a call that packs some of its own rows (a prompt, a chunk): the rows it found in
+            # the window are kept aside (views of the buffer as it is now), its own rows are
+            # attended from its input, and the buffer drops what it packs right away
+            a, b = found - self.recent_start, start - self.recent_start
+            found_rows = (self.k.recent[:, :, a:b], self.v.recent[:, :, a:b])
         n_sink = max(0, min(cfg.sink_tokens, start + L) - start)
         if L > n_sink:
             self._reserve_recent(start + L, bh)
         k_rows, v_rows, both = self._to_window(keys, values, n_sink)
+        if packs_own:
+            cut = max(start, cfg.sink_tokens) - start  # sinks are stored exactly already
+            own = (k_rows[:, :, cut:], v_rows[:, :, cut:])
+            self._fresh = own if found_rows is None else tuple(
+                mx.concatenate([f, o], axis=2) for f, o in zip(found_rows, own))
         for side, y in ((self.k, k_rows), (self.v, v_rows)):
             if n_sink:
                 side.sink = _grow(side.sink, start, start + n_sink, self.step, (side.dim,), self.dtype, bh,
@@ -341,9 +359,9 @@ class OIQKVCache(_BaseCache):
 
     def _keep_from(self) -> int:
         """First position the full-precision buffer must keep: the trim reserve, and the
-        rows the current call attends in full precision."""
+        rows the current call attends in full precision unless they are held aside."""
         keep = self.q_end - self.reserve
-        if self._attend_from is not None:
+        if self._attend_from is not None and self._fresh is None:
             keep = min(keep, self._attend_from)
         return max(self.recent_start, keep)
 
@@ -414,15 +432,23 @@ class OIQKVCache(_BaseCache):
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - s, target - s
         if self._pairs_packed:
-            # keys and values stacked: one quantize pass, one write
-            rows = self._quantize_rows(a, b)
-            self._kv_rows = _grow(self._kv_rows, qa, qb, self.step, rows.shape[-1:], mx.uint32, (2, *bh))
-            self._kv_rows[:, :, :, qa:qb] = rows
+            width = (row_width(self.k.dim, self.k.bits, self.config.group_size),)
+            self._kv_rows = _grow(self._kv_rows, qa, qb, self.step, width, mx.uint32, (2, *bh))
+            if b - a <= _STACK_MAX_ROWS:
+                # keys and values stacked: one quantize pass, one write
+                self._kv_rows[:, :, :, qa:qb] = self._quantize_rows(a, b)
+            else:
+                # a prompt's rows: one side at a time, which halves the temporaries of the
+                # reference quantizer (the extra launch and write are once per prompt)
+                for i, rows in enumerate(self._quantize_rows(a, b, stacked=False)):
+                    self._kv_rows[i : i + 1, :, :, qa:qb] = rows[None]
             self.k.rows, self.v.rows = halves(self._kv_rows)
+            self._views = None
         else:
             for side, rows in zip((self.k, self.v), self._quantize_rows(a, b)):
                 side.rows = _grow(side.rows, qa, qb, self.step, rows.shape[-1:], mx.uint32, bh)
                 side.rows[:, :, qa:qb] = rows
+            self._views = None
         self.q_end = target
         # rows older than the reserve (and than what this call attends in full precision)
         # are dead: drop them once a step of them accumulates, so full-precision capacity
@@ -430,17 +456,17 @@ class OIQKVCache(_BaseCache):
         if self._keep_from() - self.recent_start >= self.recent_step:
             self._compact(self.offset, bh)
 
-    def _quantize_rows(self, a: int, b: int):
+    def _quantize_rows(self, a: int, b: int, stacked: bool = True):
         """Packed rows (``codec.join_rows``) of rows ``[a, b)`` of the window buffers.
 
         Keys and values of the same bits, width and clip go through one quantize pass over
         the stacked buffer (it works per token and group, so the result is identical) and
         come back stacked, ``(2, B, H, b - a, .)``: the cost of a block is one pass, not
-        the rows.  Otherwise ``[k_rows, v_rows]``.
+        the rows.  Otherwise (or with ``stacked`` False) ``[k_rows, v_rows]``.
         """
         k, v, cfg = self.k, self.v, self.config
         rotate = cfg.rotation != "none"
-        if not self._pairs_packed:
+        if not (stacked and self._pairs_packed):
             return [dispatch.quantize_rows(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip,
                                            lam=s.lam, signs=s.signs, rotate=rotate, joined=True)
                     for s in (k, v)]
@@ -460,9 +486,25 @@ class OIQKVCache(_BaseCache):
     def packed_scales(self, n: int):
         """Both sides' scales of the first ``n`` packed rows, stacked ``(2, B, H, n, groups)``
         (a view), when keys and values share packed buffers; else None."""
-        if self._kv_rows is None:
-            return None
-        return split_rows(self._kv_rows[:, :, :, :n], self.k.dim, self.k.bits, self.config.group_size)[1]
+        return self._packed_views(n)[4] if n > 0 else None
+
+    def _packed_views(self, n: int):
+        """``(k_codes, k_scales, v_codes, v_scales, stacked scales or None)`` of the first ``n``
+        packed rows, as views; kept until the packed rows are written again or ``n`` changes
+        (a decode step between two blocks reuses them instead of building them anew)."""
+        memo = self._views
+        if memo is not None and memo[0] == n:
+            return memo[1]
+        g = self.config.group_size
+        if self._kv_rows is not None:
+            codes, scales = split_rows(self._kv_rows[:, :, :, :n], self.k.dim, self.k.bits, g)
+            (kc, vc), (ks, vs) = halves(codes), halves(scales)
+            views = (kc, ks, vc, vs, scales)
+        else:
+            views = (*(x for side in (self.k, self.v) for x in split_rows(side.rows[:, :, :n], side.dim, side.bits, g)),
+                     None)
+        self._views = (n, views)
+        return views
 
     # -- reading -----------------------------------------------------------
 
@@ -478,9 +520,7 @@ class OIQKVCache(_BaseCache):
         sink_k = self.k.sink[:, :, :n_sink] if n_sink else None
         sink_v = self.v.sink[:, :, :n_sink] if n_sink else None
         n_q = self.q_end - cfg.sink_tokens if self.offset > cfg.sink_tokens else 0
-        quant = None
-        if n_q > 0:
-            quant = (self.k.codes[:, :, :n_q], self.k.scales[:, :, :n_q], self.v.codes[:, :, :n_q], self.v.scales[:, :, :n_q])
+        quant = self._packed_views(n_q)[:4] if n_q > 0 else None
         a, b = max(self.q_end, cfg.sink_tokens) - self.recent_start, self.offset - self.recent_start
         recent_k = self.k.recent[:, :, a:b] if b > a else None
         recent_v = self.v.recent[:, :, a:b] if b > a else None
@@ -495,12 +535,15 @@ class OIQKVCache(_BaseCache):
         chunk) quantizes some of them before its own queries attend to them,
         and a call whose writes move the window on packs rows its queries
         would have seen exactly one call earlier.  Its queries get those rows
-        exact instead, still held in the full-precision buffer (its
-        compaction keeps them until the next write): prefill attention is
-        exact, so quantization error never flows into the keys and values of
-        later layers during prefill, and a call of several tokens (a chunk, a
-        speculative draft) sees what one-token calls see.  Attention calls
-        :meth:`release_fresh` once it has read them.
+        exact instead: prefill attention is exact, so quantization error never
+        flows into the keys and values of later layers during prefill, and a
+        call of several tokens (a chunk, a speculative draft) sees what
+        one-token calls see.  A call that packs only rows it found (a decode
+        step) reads them from the full-precision buffer, which keeps them
+        until :meth:`release_fresh`; a call that packs some of its own rows
+        holds the found rows and its own input aside, so the buffer drops the
+        packed rows at once (a prompt never sits in it whole).  Attention
+        calls :meth:`release_fresh` once it has read them.
         """
         segs = self.segments()
         start = self._attend_from
@@ -510,6 +553,8 @@ class OIQKVCache(_BaseCache):
         n_q = start - self.config.sink_tokens  # sinks are stored exactly already
         if quant is not None:
             quant = tuple(x[:, :, :n_q] for x in quant) if n_q > 0 else None
+        if self._fresh is not None:
+            return sink_k, sink_v, quant, *self._fresh
         a, b = start - self.recent_start, self.offset - self.recent_start
         return sink_k, sink_v, quant, self.k.recent[:, :, a:b], self.v.recent[:, :, a:b]
 
@@ -517,7 +562,7 @@ class OIQKVCache(_BaseCache):
         """Attention has read this call's segments: later reads see the packed rows, and
         full-precision rows nothing needs any more (a prompt's, past the window and the
         trim reserve) are dropped once a step of them accumulates."""
-        self._attend_from = None
+        self._attend_from = self._fresh = None
         if self.k.recent is not None and self._keep_from() - self.recent_start >= self.recent_step:
             self._compact(self.offset, self.batch_heads)
 
@@ -573,7 +618,7 @@ class OIQKVCache(_BaseCache):
 
     def trim(self, n: int) -> int:
         n = max(0, min(self.offset, int(n)))
-        self._attend_from = None
+        self._attend_from = self._fresh = None
         self.offset -= n
         cfg = self.config
         if self.offset < self.recent_start:
@@ -690,6 +735,7 @@ class OIQKVCache(_BaseCache):
         if self._pairs_packed and k.rows is not None:
             self._kv_rows = mx.stack([k.rows, v.rows])
             k.rows, v.rows = halves(self._kv_rows)
+            self._views = None
 
 
 # -- cache files ------------------------------------------------------------------

@@ -4,6 +4,7 @@ byte counts that match each cache's storage formula.
 Timings are recorded, never asserted: this is not a timed test.
 """
 
+import itertools
 import json
 import math
 import subprocess
@@ -122,8 +123,12 @@ def test_kv_bytes_match_cache_formulas(model_result):
             mean = (int(cfg.center_keys) + int(cfg.center_values)) * N_KV * HEAD_DIM * 4
             lam = N_KV * HEAD_DIM * 4 if cfg.key_scaling else 0  # per-channel key scales
             signs = 2 * HEAD_DIM * 4
-            # once rows are packed: the quantize pass's stacked copies of both sides' key scales and signs
-            stacked = (2 * lam + signs) if n_q > 0 else 0
+            # once a block of at most 64 rows was packed (a decode step's, not a prompt's): the
+            # stacked quantize pass's copies of both sides' key scales and signs
+            ends = list(itertools.accumulate(chunks, initial=0))
+            packed_end = OIQKVCache(cfg).packed_end
+            moved = [packed_end(b) - packed_end(a) for a, b in zip(ends, ends[1:])]
+            stacked = (2 * lam + signs) if any(0 < m <= 64 for m in moved) else 0
             recent_caps = {layer["arrays"]["k.recent"][2] for layer in r["kv_layout"]}
             assert len(recent_caps) == 1
             cap_r = recent_caps.pop()

@@ -221,11 +221,10 @@ def test_nbytes_matches_allocation_and_compression():
     assert per_token == 72
     cap = cache.k.codes.shape[2]
     recent = cache.k.recent.shape[2]
-    # one float32 sign vector for keys, one for values, and their stacked copy (the quantize pass's)
-    signs = 2 * 2 * d * 4
+    signs = 2 * d * 4  # one float32 sign vector for keys, one for values
     expected = B * H * (cap * per_token + 2 * recent * d * 2) + signs
     assert cache.nbytes == expected == cache.quantized_nbytes_formula() + 2 * B * H * recent * d * 2 + signs
-    assert cache.nbytes == sum(a.nbytes for a in cache.state[:-1] if a is not None) + 2 * d * 4 + (
+    assert cache.nbytes == sum(a.nbytes for a in cache.state[:-1] if a is not None) + (
         (cap - N) * per_token + 2 * (recent - (cache.offset - cache.recent_start)) * d * 2
     ) * B * H
     assert fp.nbytes / cache.nbytes >= 3.4, fp.nbytes / cache.nbytes
