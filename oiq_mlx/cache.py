@@ -427,6 +427,7 @@ class OIQKVCache(_BaseCache):
         """Quantize the block(s) of tokens that left the full-precision window."""
         target = self.packed_end(self.offset)
         if target <= self.q_end:
+            self._grow_before_packing(bh)
             return
         s = self.config.sink_tokens
         a, b = self.q_end - self.recent_start, target - self.recent_start
@@ -455,6 +456,25 @@ class OIQKVCache(_BaseCache):
         # stays near window + reserve
         if self._keep_from() - self.recent_start >= self.recent_step:
             self._compact(self.offset, bh)
+
+    def _grow_before_packing(self, bh):
+        """On the step before one that packs a block, grow the packed buffer if that block
+        will not fit: a decode step then never both packs and grows (DESIGN.md section 13)."""
+        nxt = self.packed_end(self.offset + 1)
+        if nxt <= self.q_end or self.q_end <= self.config.sink_tokens:
+            return
+        s = self.config.sink_tokens
+        if self._kv_rows is not None and nxt - s > self._kv_rows.shape[3]:
+            self._kv_rows = _grow(self._kv_rows, self.q_end - s, nxt - s, self.step, self._kv_rows.shape[-1:],
+                                  mx.uint32, (2, *bh))
+            self.k.rows, self.v.rows = halves(self._kv_rows)
+            self._views = None
+        elif self._kv_rows is None and self.k.rows is not None:
+            for side in (self.k, self.v):
+                if nxt - s > side.rows.shape[2]:
+                    side.rows = _grow(side.rows, self.q_end - s, nxt - s, self.step, side.rows.shape[-1:],
+                                      mx.uint32, bh)
+                    self._views = None
 
     def _quantize_rows(self, a: int, b: int, stacked: bool = True):
         """Packed rows (``codec.join_rows``) of rows ``[a, b)`` of the window buffers.

@@ -74,13 +74,14 @@ def test_metal_path_dispatches(preset, dtype):
     the merge kernel writes the queries' dtype, so no cast follows).  The step that packs a block of
     16 rows adds the fused quantize kernel, reading the rows where they lie in the window buffer,
     and one slice update of the packed rows (codes and scales joined): 6.  A step that compacts the
-    window buffer (one in 64) adds an allocation and a copy: 6.  Only a packing step on which the
-    packed buffer also grows (one per 256 rows packed; KVCache grows every 256 steps, +4) reaches 8.
-    Nothing is cast, stacked or made contiguous on any step."""
+    window buffer (one in 64), or grows the packed buffer (the step before a packing step that
+    needs room, one per 256 rows packed), adds an allocation and a copy: 6.  Nothing is cast,
+    stacked or made contiguous on any step."""
     r = _counts(f"oiq-{preset}", kernels=True, dtype=dtype, steps=20 * OIQKVCache.flush_block)
     assert r["min"] == 4, r["breakdown"]
     assert r["breakdown"]["kernel"] == 2 and "Hadamard" not in r["breakdown"], r["breakdown"]
     for n, g in zip(r["per_step"], r["breakdowns"]):
         assert not {"AsType", "Concatenate", "Contiguous", "Hadamard"} & set(g), g
-        assert n <= (8 if g.get("Full") and g["kernel"] == 3 else 6), g
+        assert n <= 6, g
+    assert sum(1 for g in r["breakdowns"] if g.get("Full")) >= 2, "no step grew or compacted a buffer"
     assert r["per_step"].count(6) >= 16 and r["mean"] <= 4.3, r["per_step"]
