@@ -30,7 +30,6 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
-import numpy as np
 
 from . import dispatch, rotation
 from .cache import halves, pad_last

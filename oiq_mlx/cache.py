@@ -379,9 +379,8 @@ class OIQKVCache(_BaseCache):
         cap = -(-(end - keep_from) // self.recent_step) * self.recent_step
         if self.k.dim == self.v.dim:
             new = mx.zeros((2, *bh, cap, self.k.dim), self.dtype)
-            if self.k.recent is not None and used > drop:
-                old = self._kv_recent if self._kv_recent is not None else mx.stack([self.k.recent, self.v.recent])
-                new[:, :, :, : used - drop] = old[:, :, :, drop:used]
+            if self._kv_recent is not None and used > drop:
+                new[:, :, :, : used - drop] = self._kv_recent[:, :, :, drop:used]
             self._kv_recent = new
             self.k.recent, self.v.recent = halves(new)
         else:
@@ -432,9 +431,8 @@ class OIQKVCache(_BaseCache):
         s = self.config.sink_tokens
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - s, target - s
+        self._packed_room(qa, qb, bh)
         if self._pairs_packed:
-            width = (row_width(self.k.dim, self.k.bits, self.config.group_size),)
-            self._kv_rows = _grow(self._kv_rows, qa, qb, self.step, width, mx.uint32, (2, *bh))
             if b - a <= _STACK_MAX_ROWS:
                 # keys and values stacked: one quantize pass, one write
                 self._kv_rows[:, :, :, qa:qb] = self._quantize_rows(a, b)
@@ -444,12 +442,10 @@ class OIQKVCache(_BaseCache):
                 for i, rows in enumerate(self._quantize_rows(a, b, stacked=False)):
                     self._kv_rows[i : i + 1, :, :, qa:qb] = rows[None]
             self.k.rows, self.v.rows = halves(self._kv_rows)
-            self._views = None
         else:
             for side, rows in zip((self.k, self.v), self._quantize_rows(a, b)):
-                side.rows = _grow(side.rows, qa, qb, self.step, rows.shape[-1:], mx.uint32, bh)
                 side.rows[:, :, qa:qb] = rows
-            self._views = None
+        self._views = None
         self.q_end = target
         # rows older than the reserve (and than what this call attends in full precision)
         # are dead: drop them once a step of them accumulates, so full-precision capacity
@@ -457,24 +453,30 @@ class OIQKVCache(_BaseCache):
         if self._keep_from() - self.recent_start >= self.recent_step:
             self._compact(self.offset, bh)
 
+    def _packed_room(self, used: int, needed: int, bh):
+        """Make the packed buffers hold ``needed`` rows, keeping their first ``used``."""
+        g = self.config.group_size
+        if self._pairs_packed:
+            old = self._kv_rows
+            width = (row_width(self.k.dim, self.k.bits, g),)
+            self._kv_rows = _grow(old, used, needed, self.step, width, mx.uint32, (2, *bh))
+            if self._kv_rows is not old:
+                self.k.rows, self.v.rows = halves(self._kv_rows)
+                self._views = None
+            return
+        for side in (self.k, self.v):
+            old = side.rows
+            side.rows = _grow(old, used, needed, self.step, (row_width(side.dim, side.bits, g),), mx.uint32, bh)
+            if side.rows is not old:
+                self._views = None
+
     def _grow_before_packing(self, bh):
         """On the step before one that packs a block, grow the packed buffer if that block
         will not fit: a decode step then never both packs and grows (DESIGN.md section 13)."""
         nxt = self.packed_end(self.offset + 1)
-        if nxt <= self.q_end or self.q_end <= self.config.sink_tokens:
-            return
         s = self.config.sink_tokens
-        if self._kv_rows is not None and nxt - s > self._kv_rows.shape[3]:
-            self._kv_rows = _grow(self._kv_rows, self.q_end - s, nxt - s, self.step, self._kv_rows.shape[-1:],
-                                  mx.uint32, (2, *bh))
-            self.k.rows, self.v.rows = halves(self._kv_rows)
-            self._views = None
-        elif self._kv_rows is None and self.k.rows is not None:
-            for side in (self.k, self.v):
-                if nxt - s > side.rows.shape[2]:
-                    side.rows = _grow(side.rows, self.q_end - s, nxt - s, self.step, side.rows.shape[-1:],
-                                      mx.uint32, bh)
-                    self._views = None
+        if nxt > self.q_end > s:
+            self._packed_room(self.q_end - s, nxt - s, bh)
 
     def _quantize_rows(self, a: int, b: int, stacked: bool = True):
         """Packed rows (``codec.join_rows``) of rows ``[a, b)`` of the window buffers.

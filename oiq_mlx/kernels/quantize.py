@@ -42,7 +42,7 @@ def _launch_quantize(x: mx.array, lam2, signs2, *, bits: int, group_size: int, r
     n = math.prod(lead)
     w, g = d * bits // 32, d // group_size
     if joined:
-        shapes, dtypes = [(*lead, w + codec.scale_words(d, group_size)), (1,)], [mx.uint32, mx.float16]
+        shapes, dtypes = [(*lead, codec.row_width(d, bits, group_size)), (1,)], [mx.uint32, mx.float16]
     else:
         shapes, dtypes = [(*lead, w), (*lead, g)], [mx.uint32, mx.float16]
     rows_per_lam = 0 if lam2 is None else n // lam2.shape[0]
