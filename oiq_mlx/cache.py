@@ -230,7 +230,9 @@ class OIQKVCache(_BaseCache):
     """
 
     step = 256
-    recent_step = 64
+    # the full-precision buffer's capacity is a multiple of recent_step rows: at most
+    # window + reserve + one block once a call has ended (DESIGN.md section 13)
+    recent_step = 16
     flush_block = 16
 
     def __init__(self, config: OIQConfig | None = None, *, layer_idx: int = 0, head_dim: int | None = None):
@@ -250,6 +252,7 @@ class OIQKVCache(_BaseCache):
         # first position the current call attends in full precision (attention_segments), and
         # for a call that packs some of its own rows, those rows in full precision: (keys, values)
         self._attend_from = self._fresh = None
+        self._call_tokens = 0  # tokens the latest update_and_fetch wrote
         self._stacked = None
         # keys and values of equal width are stored stacked on a new first axis, (2, B, H,
         # rows, .), and self.k / self.v hold views of them: a decode step writes the window
@@ -299,6 +302,7 @@ class OIQKVCache(_BaseCache):
         if L == 0:
             # as mlx-lm's KVCache: an empty update stores nothing (and estimates nothing)
             self._attend_from = self._fresh = None
+            self._call_tokens = 0
             return self, self
         bh = tuple(keys.shape[:2])
         # rows from here on (the window as this call finds it, and the call's own rows) are
@@ -336,6 +340,7 @@ class OIQKVCache(_BaseCache):
                 for side, y in ((self.k, k_rows), (self.v, v_rows)):
                     side.recent[:, :, a : a + L - n_sink] = y[:, :, n_sink:]
         self.offset = start + L
+        self._call_tokens = L
         self._flush(bh)
         return self, self
 
@@ -447,10 +452,16 @@ class OIQKVCache(_BaseCache):
                 side.rows[:, :, qa:qb] = rows
         self._views = None
         self.q_end = target
-        # rows older than the reserve (and than what this call attends in full precision)
-        # are dead: drop them once a step of them accumulates, so full-precision capacity
-        # stays near window + reserve
-        if self._keep_from() - self.recent_start >= self.recent_step:
+        self._drop_dead(bh)
+
+    def _drop_dead(self, bh):
+        """Drop the full-precision rows older than the reserve (and than what the current
+        call attends in full precision unless they are held aside): a call of several tokens
+        (a prompt, a chunk) drops them as soon as it has any, so the buffer ends the call at
+        window + reserve + one block at most; a decode step's packed block is dropped by the
+        next step, whose write needs the room (:meth:`_reserve_recent`), so that packing and
+        compacting never share a step (DESIGN.md section 13)."""
+        if self._call_tokens > 1 and self._keep_from() > self.recent_start:
             self._compact(self.offset, bh)
 
     def _packed_room(self, used: int, needed: int, bh):
@@ -582,11 +593,11 @@ class OIQKVCache(_BaseCache):
 
     def release_fresh(self):
         """Attention has read this call's segments: later reads see the packed rows, and
-        full-precision rows nothing needs any more (a prompt's, past the window and the
-        trim reserve) are dropped once a step of them accumulates."""
+        full-precision rows nothing needs any more (past the window and the trim reserve)
+        are dropped as :meth:`_drop_dead` says."""
         self._attend_from = self._fresh = None
-        if self.k.recent is not None and self._keep_from() - self.recent_start >= self.recent_step:
-            self._compact(self.offset, self.batch_heads)
+        if self.k.recent is not None:
+            self._drop_dead(self.batch_heads)
 
     def dequantized_kv(self):
         """All keys and values as the attention sees them, un-rotated, float32,

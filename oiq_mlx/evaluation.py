@@ -190,6 +190,41 @@ def measured_bytes_per_token(cache, tokens: int) -> float:
     return total / (units * tokens) if units and tokens else 0.0
 
 
+def _kv_shape(c):
+    """``(B, H, k_dim, v_dim)`` of a cache :func:`measured_bytes_per_token` counts, else None."""
+    if isinstance(c, OIQKVCache):
+        return None if c.empty() else (*c.batch_heads, c.k.head_dim, c.v.head_dim)
+    if isinstance(c, QuantizedKVCache):
+        if c.keys is None:
+            return None
+        width = lambda packed: packed[0].shape[-1] * 32 // c.bits  # noqa: E731
+        return (*c.keys[0].shape[:2], width(c.keys), width(c.values))
+    if type(c) is KVCache and c.keys is not None:
+        return (*c.keys.shape[:2], c.keys.shape[-1], c.values.shape[-1])
+    return None
+
+
+def allocated_bytes_per_token(spec: CacheSpec, model, evaluated: list, calls, dtype=mx.float16) -> float:
+    """:func:`measured_bytes_per_token` of a fresh ``spec`` cache after the update calls
+    ``calls`` (token counts, e.g. a prompt then chunks), the model's keys and values in
+    ``dtype``: what the cache allocates for a ``dtype`` model (a float16 model on a Mac)
+    when this machine ran the model in another one.
+
+    ``evaluated`` is the cache the evaluation used (its layers give the shapes).  What a
+    cache allocates depends on the calls and shapes, not on the values, so zeros are
+    written (OIQ caches release each call's full-precision rows as attention would).
+    """
+    fresh = spec.make_cache(model)
+    layers = [(c, shape) for c, shape in zip(fresh, map(_kv_shape, evaluated)) if shape is not None]
+    for n in calls:
+        for c, (b, h, dk, dv) in layers:
+            c.update_and_fetch(mx.zeros((b, h, n, dk), dtype), mx.zeros((b, h, n, dv), dtype))
+            if isinstance(c, OIQKVCache):
+                c.release_fresh()
+        mx.eval(_cache_arrays(fresh))
+    return measured_bytes_per_token(fresh, sum(calls))
+
+
 def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, chunk: int = 1,
                     windows: int = 1, progress=None) -> dict:
     """Perplexity, KL and top-1 agreement through each cache.
@@ -202,7 +237,10 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
     compared with every cache at the same positions.
 
     Returns ``{name: {"ppl", "nll", "kl", "top1", "tokens", "tokens_per_s",
-    "ppl_per_window", "measured_bytes_per_token_head"}}``.
+    "ppl_per_window", "measured_bytes_per_token_head", "fp16_bytes_per_token_head"}}``:
+    the last two are ``nbytes`` per token per KV head at the end of a window, as the
+    evaluation ran (the model's dtype on this machine) and as a float16 model's cache
+    allocates them after the same calls (:func:`allocated_bytes_per_token`).
     """
     progress = progress or Progress(enabled=False)
     span = prompt_len + score_len + 1
@@ -263,9 +301,12 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
                 last_line = now
                 progress(f"ppl window {w + 1}/{windows} chunk {i + 1}/{n_chunks}: tok/s {', '.join(rates)}; "
                          f"ETA {_eta(done_units, total_units, now - t0)}")
+        calls = [prompt_len] + [min(chunk, prompt_len + score_len - a) for a in range(prompt_len, span - 1, chunk)]
         for s, c in zip(specs, caches):
             acc[s.name]["win_nll"].append(math.exp(win_nll[s.name] / score_len))
             acc[s.name]["bytes"].append(measured_bytes_per_token(c, span - 1))
+            if w == 0:  # every window makes the same calls
+                acc[s.name]["fp16_bytes"] = allocated_bytes_per_token(s, model, c, calls)
         del caches
     out = {}
     for s in specs:
@@ -279,6 +320,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
             "tokens_per_s": windows * (span - 1) / r["seconds"] if r["seconds"] else None,
             "ppl_per_window": r["win_nll"],
             "measured_bytes_per_token_head": float(np.mean(r["bytes"])),
+            "fp16_bytes_per_token_head": r["fp16_bytes"],
         }
         progress(f"ppl {s.name}: ppl {out[s.name]['ppl']:.3f} KL {out[s.name]['kl']:.4f} "
                  f"top1 {out[s.name]['top1']:.3f} ({out[s.name]['tokens_per_s']:.0f} tok/s)")

@@ -11,8 +11,9 @@ cosine).  This module adds:
   re-exported here), including ``preset:NAME`` and mlx-lm affine caches at any
   bits (``mlx:BITS[:GROUP]``);
 * :func:`sweep`: one row per cache with the bytes it spends per token and KV
-  head (keys + values; asymptotic, and amortized with the full-precision sinks
-  and window) next to its perplexity change, KL and top-1;
+  head (keys + values; asymptotic, and everything the cache allocates at the end
+  of the evaluation, from ``nbytes`` with float16 keys and values) next to its
+  perplexity change, KL and top-1;
 * :func:`add_key_bias` and :func:`tiny_qwen2`: stand-ins for Qwen2-family keys
   (a ``k_proj`` bias that puts a few channels at ~25x the median key-channel
   norm), on a real llama-style model or a random-weight mlx-lm qwen2 model.
@@ -38,10 +39,12 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     """Perplexity/KL/top-1 of every cache in ``specs`` (``fp`` is added first when
     missing) on ``tokens``; one dict per cache, fp first: ``name``, ``kind``,
     ``description``, ``config`` (OIQConfig fields or None), ``bytes_per_token``
-    (asymptotic, K+V per KV head, floats counted as fp16), ``bytes_amortized``
-    (over the evaluated ``prompt_len + score_len`` tokens, sinks/window/means
-    included), ``ppl``, ``ppl_delta`` (relative to fp), ``kl``, ``top1``,
-    ``tokens_per_s``."""
+    (asymptotic, K+V per KV head, floats counted as fp16), ``bytes_allocated``
+    (``nbytes`` of the cache after the evaluated ``prompt_len + score_len`` tokens,
+    per token and KV head: everything it allocates, sinks, window, reserve, means
+    and spare capacity, with the keys and values of a float16 model;
+    :func:`oiq_mlx.evaluation.allocated_bytes_per_token`), ``ppl``, ``ppl_delta``
+    (relative to fp), ``kl``, ``top1``, ``tokens_per_s``."""
     install()
     specs = list(specs)
     if not specs or specs[0].kind != "fp":
@@ -52,7 +55,6 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
                                      chunk=chunk, windows=windows, progress=progress)
     fp_ppl = res[specs[0].name]["ppl"]
     rows = []
-    n = prompt_len + score_len
     for s in specs:
         r = res[s.name]
         rows.append({
@@ -61,7 +63,7 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
             "description": s.description,
             "config": None if s.oiq is None else dataclasses.asdict(s.oiq),
             "bytes_per_token": s.bytes_per_token(head_dim, layers=layers),
-            "bytes_amortized": s.bytes_per_token(head_dim, n, layers),
+            "bytes_allocated": r["fp16_bytes_per_token_head"],
             "ppl": r["ppl"],
             "ppl_delta": r["ppl"] / fp_ppl - 1,
             "kl": r["kl"],
@@ -74,12 +76,12 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
 def frontier_table(rows: list[dict]) -> str:
     """Markdown table of :func:`sweep` rows."""
     lines = [
-        "| cache | bytes/token/KV head (K+V) | amortized | ppl | vs fp | KL | top-1 |",
+        "| cache | bytes/token/KV head (K+V) | nbytes/token/KV head (fp16) | ppl | vs fp | KL | top-1 |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['name']} | {r['bytes_per_token']:g} | {r['bytes_amortized']:.1f} | {r['ppl']:.3f} "
+            f"| {r['name']} | {r['bytes_per_token']:g} | {r['bytes_allocated']:.1f} | {r['ppl']:.3f} "
             f"| {100 * r['ppl_delta']:+.2f}% | {r['kl']:.4f} | {100 * r['top1']:.1f}% |"
         )
     return "\n".join(lines)

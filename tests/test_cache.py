@@ -237,6 +237,34 @@ def test_nbytes_matches_allocation_and_compression():
     assert (16384 * B * H * 2 * d * 2) / default.nbytes >= 3.4
 
 
+@pytest.mark.parametrize("preset,window,reserve", [("4bit", 64, 16), ("3bit", 64, 16), ("2bit", 96, 16),
+                                                   ("4bit", 32, 0), ("4bit", 8, 16), ("2bit", 64, 40)])
+def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, window, reserve):
+    """Issue 16's fixed cost: after a prompt and through decoding (prompt lengths on and off
+    the block grid), the full-precision rows a cache allocates are at most sinks + window +
+    reserve + 16: the pending block (the window holds W to W + 15 rows) and the capacity
+    rounding together, never a second block of dead rows; the same after every call of
+    several tokens (chunked scoring, speculative drafts)."""
+    cfg = OIQConfig.preset(preset, window=window, trim_reserve=reserve)
+    for prompt, chunk in ((300, 1), (317, 1), (300, 7), (317, 32), (300, 64)):
+        cache = OIQKVCache(cfg)
+        k = mx.random.normal((1, 2, prompt, 64)).astype(mx.float16)
+        cache.update_and_fetch(k, k)
+        cache.release_fresh()
+        worst = 0
+        for _ in range(3 * OIQKVCache.step // 4 // chunk + 2):
+            cache.update_and_fetch(k[:, :, :chunk], k[:, :, :chunk])
+            cache.release_fresh()
+            worst = max(worst, cache.k.sink.shape[2] + cache.k.recent.shape[2])
+        assert cache.q_end > prompt  # it packed blocks while decoding
+        assert worst <= cfg.sink_tokens + window + cache.reserve + 16, (worst, cache.reserve)
+        # and fp16 (the model's dtype) nbytes counts exactly these rows, at 2 bytes
+        fp_rows = 2 * 2 * (cache.k.sink.shape[2] + cache.k.recent.shape[2]) * 64 * 2
+        assert cache.nbytes == fp_rows + cache._kv_rows.nbytes + sum(
+            a.nbytes for side in (cache.k, cache.v) for a in (side.mean, side.signs, side.lam) if a is not None
+        ) + sum(a.nbytes for a in cache._stacked if a is not None)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -43,10 +43,12 @@ def test_reference_baselines():
 @pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
 def test_reference_path_dispatches(preset, mlx_q4):
     """A decode step of the reference path launches at most mlx-lm 4-bit's count + 4; the step
-    that packs a block of rows costs more, once every flush_block steps."""
+    that packs a block of rows costs more, and the next one (which drops the block's dead
+    full-precision rows), once every flush_block steps each."""
     r = _counts(f"oiq-{preset}")
     assert r["min"] <= mlx_q4["min"] + 4, r
-    assert r["per_step"].count(r["min"]) >= STEPS - 2, r["per_step"]
+    blocks = STEPS // OIQKVCache.flush_block
+    assert r["per_step"].count(r["min"]) >= STEPS - 2 * blocks, r["per_step"]
     assert r["max"] <= 50, r
     assert r["mean"] <= mlx_q4["mean"] + 6, r
 
@@ -74,8 +76,9 @@ def test_metal_path_dispatches(preset, dtype):
     the merge kernel writes the queries' dtype, so no cast follows).  The step that packs a block of
     16 rows adds the fused quantize kernel, reading the rows where they lie in the window buffer,
     and one slice update of the packed rows (codes and scales joined): 6.  A step that compacts the
-    window buffer (one in 64), or grows the packed buffer (the step before a packing step that
-    needs room, one per 256 rows packed), adds an allocation and a copy: 6.  Nothing is cast,
+    window buffer (the step after a packing step, which drops the block's dead rows so that the
+    buffer stays at window + reserve + one block), or grows the packed buffer (the step before a
+    packing step that needs room, one per 256 rows packed), adds an allocation and a copy: 6.  Nothing is cast,
     stacked or made contiguous on any step."""
     r = _counts(f"oiq-{preset}", kernels=True, dtype=dtype, steps=20 * OIQKVCache.flush_block)
     assert r["min"] == 4, r["breakdown"]
@@ -84,4 +87,4 @@ def test_metal_path_dispatches(preset, dtype):
         assert not {"AsType", "Concatenate", "Contiguous", "Hadamard"} & set(g), g
         assert n <= 6, g
     assert sum(1 for g in r["breakdowns"] if g.get("Full")) >= 2, "no step grew or compacted a buffer"
-    assert r["per_step"].count(6) >= 16 and r["mean"] <= 4.3, r["per_step"]
+    assert r["per_step"].count(6) >= 32 and r["mean"] <= 4.3, r["per_step"]
