@@ -1097,16 +1097,14 @@ def run_evaluation(settings: EvalSettings, *, model=None, tokenizer=None, progre
             ("fp = mlx-lm KVCache at the model dtype; bytes are counted as fp16 (2 bytes per value) for it "
              "and for every scale/bias/mean/full-precision segment ('fp16-equivalent')."),
             "mlx-q* caches are quantized from token 0 (generate_step's quantized_kv_start=0).",
-            "measured_bytes_per_token_head = sum of nbytes (allocated capacity, real dtypes) / (tokens x KV layers x KV heads).",
+            "measured_bytes_per_token_head = sum of nbytes (allocated capacity, real dtypes) / (tokens x KV layers x KV heads); "
+            "fp16_bytes_per_token_head = the same after the same calls with float16 keys and values "
+            "(allocated_bytes_per_token).",
         ],
     }
-    n_tokens = settings.prompt_len + settings.score_len
     layers = oiq_layer_indices(model)
     for s in specs:
-        result["bytes_per_token_head"][s.name] = {
-            "asymptotic": s.bytes_per_token(head_dim, layers=layers),
-            f"amortized_at_{n_tokens}": s.bytes_per_token(head_dim, n_tokens, layers),
-        }
+        result["bytes_per_token_head"][s.name] = {"asymptotic": s.bytes_per_token(head_dim, layers=layers)}
     tokens = tokenizer.encode(text)
     result["text"] = {"source": settings.text or "oiq_mlx default_text (Austen, Persuasion)", "tokens": len(tokens)}
     if "ppl" not in settings.skip:
@@ -1156,10 +1154,8 @@ def markdown_table(result: dict) -> str:
     fid = result.get("fidelity", {})
     needle = result.get("needle", {})
     bpt = result["bytes_per_token_head"]
-    amort_key = next((k for k in next(iter(bpt.values())) if k.startswith("amortized")), None)
     base = ppl.get("fp", {}).get("ppl")
-    head = ["cache", "B/tok/head", f"B/tok/head @{amort_key.split('_')[-1]}" if amort_key else "", "nbytes/tok/head",
-            "ppl", "Δppl",
+    head = ["cache", "B/tok/head", "nbytes/tok/head (fp16)", "nbytes/tok/head", "ppl", "Δppl",
             "KL (nats)", "top-1", "attn cos", "K rel err", "V rel err", "needle"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for spec in result["caches"]:
@@ -1169,7 +1165,7 @@ def markdown_table(result: dict) -> str:
         cells = [
             n,
             f"{bpt[n]['asymptotic']:.1f}",
-            f"{bpt[n][amort_key]:.1f}" if amort_key else "",
+            f"{p['fp16_bytes_per_token_head']:.1f}" if p else "-",
             f"{p['measured_bytes_per_token_head']:.0f}" if p else "-",
             f"{p['ppl']:.2f}" if p else "-",
             (f"{100 * (p['ppl'] / base - 1):+.1f}%" if p and base else "-"),
@@ -1183,9 +1179,10 @@ def markdown_table(result: dict) -> str:
         rows.append("| " + " | ".join(cells) + " |")
     lines = rows + [
         "",
-        ("B/tok/head: bytes per token per KV head, K+V, every float counted as fp16; asymptotic, and amortized "
-         "at the evaluated length (OIQ sinks, window and means included). nbytes/tok/head: measured allocated "
-         "nbytes (real dtypes, capacity included) / (tokens x layers x KV heads)."),
+        ("B/tok/head: bytes per token per KV head, K+V, of the quantized storage (every float counted as fp16). "
+         "nbytes/tok/head: allocated nbytes (capacity, sinks, window, reserve and means included) / (tokens x "
+         "layers x KV heads) at the end of the perplexity run, with float16 keys and values (as a float16 model "
+         "on a Mac) and as run here (the model's dtype on this machine)."),
     ]
     k = result.get("key_outliers")
     if k:

@@ -63,34 +63,21 @@ class CacheSpec:
                 return make_oiq_cache(model, self.oiq)
         raise ValueError(f"unknown cache kind {self.kind!r}")
 
-    def bytes_per_token(self, head_dim: int, tokens: int | None = None, layers=None) -> float:
-        """Bytes per token per KV head, keys and values together, counting
-        every float as fp16 (2 bytes).
-
-        ``tokens=None``: asymptotic (the quantized segment only).  With
-        ``tokens``: amortized over a sequence of that length, i.e. OIQ's sink
-        and window tokens at full precision and its per-layer means included.
-        ``layers``: the model's OIQ layer indices, needed (and averaged over)
-        when the config has ``layer_bits``.
+    def bytes_per_token(self, head_dim: int, layers=None) -> float:
+        """Bytes of quantized storage per token per KV head, keys and values together,
+        counting every float as fp16 (2 bytes): what the cache costs per token once the
+        context is long.  What a cache allocates at a given length (sinks, window,
+        reserve, means, spare capacity) is measured, not computed: its ``nbytes``
+        (:func:`oiq_mlx.evaluation.allocated_bytes_per_token`).  ``layers``: the
+        model's OIQ layer indices, needed (and averaged over) when the config has
+        ``layer_bits``.
         """
         if self.kind == "fp":
             return 2 * head_dim * FP16_BYTES
         if self.kind == "mlx":
             groups = -(-head_dim // self.group_size)
             return 2 * (head_dim * self.bits / 8 + 2 * groups * FP16_BYTES)
-        cfg = self.oiq
-        asym = cfg.bytes_per_token(head_dim, layers)
-        if tokens is None:
-            return asym
-        dim = cfg.storage_dim(head_dim)
-        if tokens <= cfg.quantize_after:
-            n_full = tokens
-        else:
-            n_full = min(tokens, cfg.sink_tokens) + min(max(tokens - cfg.sink_tokens, 0), cfg.window)
-        n_quant = tokens - n_full
-        vectors = int(cfg.center_keys) + int(cfg.center_values) + int(bool(cfg.key_scaling))
-        means = vectors * dim * FP16_BYTES
-        return (n_quant * asym + n_full * 2 * dim * FP16_BYTES + means) / tokens
+        return self.oiq.bytes_per_token(head_dim, layers)
 
     def supports(self, head_dim: int) -> str | None:
         """None when this cache can hold heads of ``head_dim``, else why not."""
