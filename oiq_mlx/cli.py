@@ -20,10 +20,11 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from .cache import OIQKVCache
+from .calibrate import calibrate_layer_bits, parse_auto
 from .config import OIQConfig
 from .distributed import ShardedRun, check_layout
 from .distributed import add_arguments as add_sharding_arguments
-from .integration import cache_tokens, install, kv_memory, make_oiq_cache
+from .integration import cache_tokens, install, kv_memory, make_oiq_cache, model_head_dim, oiq_layer_indices
 from .models import load, resolve_model
 
 DEFAULT_MODEL = "demo"
@@ -122,9 +123,11 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--key-scaling", type=float, default=None,
                    help="exponent of the exact per-channel key scaling, 0 to 1 (0 = off)")
     o.add_argument("--rotation-seed", type=int, default=None, help="seed of the random sign vectors")
-    o.add_argument("--layer-bits", default=None, metavar="L:K:V,...",
+    o.add_argument("--layer-bits", default=None, metavar="L:K:V,...|auto[:BUDGET]",
                    help="per-layer bits, e.g. 3:3:3,8:3:3 stores layers 3 and 8 at K3V3 (the rest per "
-                        "--k-bits/--v-bits)")
+                        "--k-bits/--v-bits); 'auto' (oiq-generate only) chooses them on the prompt by "
+                        "attention error, within the config's bytes per token or BUDGET bytes per token "
+                        "per KV head")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
 
 
@@ -184,9 +187,22 @@ def oiq_options_given(args) -> list[str]:
     return given + (["--no-oiq"] if args.no_oiq else [])
 
 
-def config_from_args(args):
-    """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced."""
+def layer_bits_auto(args) -> tuple[bool, float | None]:
+    """``(True, budget or None)`` when --layer-bits is ``auto[:BUDGET]``, else ``(False, None)``."""
+    return parse_auto(args.layer_bits)
+
+
+def config_from_args(args, *, allow_auto: bool = False):
+    """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced.
+
+    ``--layer-bits auto``: ValueError unless ``allow_auto``, and then the config
+    without layer_bits (the caller calibrates it, :func:`layer_bits_auto`)."""
     overrides = {field: getattr(args, a) for a, field in _OIQ_FIELDS.items() if getattr(args, a) is not None}
+    if layer_bits_auto(args)[0]:
+        if not allow_auto:
+            raise ValueError("--layer-bits auto is calibrated on the prompt: oiq-generate only, without "
+                             "--prompt-cache-file")
+        del overrides["layer_bits"]
     if args.preset is not None:
         return OIQConfig.preset(args.preset, **overrides)
     return OIQConfig(**overrides)
@@ -334,6 +350,22 @@ def _shard(shard_run, model, name: str):
         raise UsageError(str(e)) from None
 
 
+def _calibrate(model, tokens, config, budget, *, quiet: bool):
+    """``config`` with layer_bits calibrated on the prompt ``tokens``; the choice on stderr."""
+    try:
+        calibrated = calibrate_layer_bits(model, tokens, config, budget=budget)
+    except ValueError as e:
+        raise UsageError(f"--layer-bits auto: {e}") from None
+    if not quiet:
+        head_dim, layers = model_head_dim(model), oiq_layer_indices(model)
+        chosen = ",".join(f"{i}:K{k}V{v}" for i, k, v in calibrated.layer_bits) or "none (uniform)"
+        limit = config.bytes_per_token(head_dim) if budget is None else budget
+        print(f"layer bits calibrated on the {len(tokens)} prompt tokens: {chosen}; "
+              f"{calibrated.bytes_per_token(head_dim, layers):g} bytes/token/KV head (budget {limit:g})",
+              file=sys.stderr)
+    return calibrated
+
+
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     prompt = read_prompt(args.prompt)
@@ -367,11 +399,18 @@ def _main(argv) -> int:
             raise UsageError(f"the prompt cache has {len(cache)} layers, the model {name} {n_layers}")
     else:
         try:
-            config = None if args.no_oiq else config_from_args(args)
+            auto, budget = layer_bits_auto(args)
+            config = None if args.no_oiq else config_from_args(args, allow_auto=True)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if auto and args.no_oiq:
+            raise UsageError("--layer-bits auto does not apply with --no-oiq")
+        if auto and shard_run is not None:
+            raise UsageError("--layer-bits auto does not support --sharding (give the layers explicitly)")
         model, tokenizer = load_from_args(args, args.model or DEFAULT_MODEL)
-        if _shard(shard_run, model, args.model or DEFAULT_MODEL) is None:
+        if auto:
+            cache = None  # built below, once the prompt tokens are known
+        elif _shard(shard_run, model, args.model or DEFAULT_MODEL) is None:
             cache = build_cache(model, config)
         else:
             try:
@@ -384,6 +423,9 @@ def _main(argv) -> int:
     elif args.seed is not None:
         mx.random.seed(args.seed)
     tokens = _prompt_tokens(tokenizer, args, prompt, cached=args.prompt_cache_file is not None)
+    if cache is None:
+        config = _calibrate(model, tokens, config, budget, quiet=args.quiet)
+        cache = build_cache(model, config)
     sampler = make_sampler(temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     response = None
     for response in stream_generate(

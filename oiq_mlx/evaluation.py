@@ -240,7 +240,13 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
     "ppl_per_window", "measured_bytes_per_token_head", "fp16_bytes_per_token_head"}}``:
     the last two are ``nbytes`` per token per KV head at the end of a window, as the
     evaluation ran (the model's dtype on this machine) and as a float16 model's cache
-    allocates them after the same calls (:func:`allocated_bytes_per_token`).
+    allocates them after the same calls (:func:`allocated_bytes_per_token`; the mean
+    over windows for a calibrated spec).
+
+    A spec with ``layer_bits=auto`` (``CacheSpec.calibrate``) is calibrated on each
+    window's prompt (:meth:`CacheSpec.for_prompt`) before its cache is made; its
+    result adds ``"layer_bits"`` (the chosen ``[layer, k_bits, v_bits]`` triples,
+    one list per window) and ``"calibration_s"`` (not counted in ``tokens_per_s``).
     """
     progress = progress or Progress(enabled=False)
     span = prompt_len + score_len + 1
@@ -249,14 +255,26 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
         raise ValueError(f"need {span * windows} tokens for {windows} window(s) of {span}, the text has {len(tokens)}")
     if specs[0].kind != "fp":
         raise ValueError("the first spec must be the fp reference")
-    acc = {s.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0, "seconds": 0.0, "win_nll": [], "bytes": []} for s in specs}
+    acc = {s.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0, "seconds": 0.0, "win_nll": [], "bytes": [],
+                    "layer_bits": [], "calibration_s": 0.0} for s in specs}
     n_chunks = -(-score_len // chunk)
     total_units = windows * (n_chunks + 1) * len(specs)
     done_units, t0 = 0, time.perf_counter()
     last_line = t0
     for w in range(windows):
         seq = tokens[w * span : (w + 1) * span]
-        caches = [s.make_cache(model) for s in specs]
+        window_specs = []
+        for s in specs:  # layer_bits=auto: chosen on this window's prompt (not timed with the cache)
+            if s.calibrate:
+                t = time.perf_counter()
+                cal = s.for_prompt(model, seq[:prompt_len])
+                acc[s.name]["calibration_s"] += time.perf_counter() - t
+                acc[s.name]["layer_bits"].append([list(x) for x in cal.oiq.layer_bits])
+                progress(f"ppl window {w + 1}/{windows}: {s.name} calibrated layer_bits "
+                         f"{_layer_bits_text(cal.oiq.layer_bits)}")
+                s = cal
+            window_specs.append(s)
+        caches = [s.make_cache(model) for s in window_specs]
         prompt = mx.array(seq[:prompt_len])[None]
         for s, c in zip(specs, caches):
             t = time.perf_counter()
@@ -302,11 +320,12 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
                 progress(f"ppl window {w + 1}/{windows} chunk {i + 1}/{n_chunks}: tok/s {', '.join(rates)}; "
                          f"ETA {_eta(done_units, total_units, now - t0)}")
         calls = [prompt_len] + [min(chunk, prompt_len + score_len - a) for a in range(prompt_len, span - 1, chunk)]
-        for s, c in zip(specs, caches):
+        for s, ws, c in zip(specs, window_specs, caches):
             acc[s.name]["win_nll"].append(math.exp(win_nll[s.name] / score_len))
             acc[s.name]["bytes"].append(measured_bytes_per_token(c, span - 1))
-            if w == 0:  # every window makes the same calls
-                acc[s.name]["fp16_bytes"] = allocated_bytes_per_token(s, model, c, calls)
+            # every window makes the same calls; a calibrated spec's bits may differ per window
+            if w == 0 or s.calibrate:
+                acc[s.name].setdefault("fp16_bytes_w", []).append(allocated_bytes_per_token(ws, model, c, calls))
         del caches
     out = {}
     for s in specs:
@@ -320,11 +339,18 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
             "tokens_per_s": windows * (span - 1) / r["seconds"] if r["seconds"] else None,
             "ppl_per_window": r["win_nll"],
             "measured_bytes_per_token_head": float(np.mean(r["bytes"])),
-            "fp16_bytes_per_token_head": r["fp16_bytes"],
+            "fp16_bytes_per_token_head": float(np.mean(r["fp16_bytes_w"])),
         }
+        if s.calibrate:
+            out[s.name]["layer_bits"] = r["layer_bits"]
+            out[s.name]["calibration_s"] = r["calibration_s"]
         progress(f"ppl {s.name}: ppl {out[s.name]['ppl']:.3f} KL {out[s.name]['kl']:.4f} "
                  f"top1 {out[s.name]['top1']:.3f} ({out[s.name]['tokens_per_s']:.0f} tok/s)")
     return out
+
+
+def _layer_bits_text(layer_bits) -> str:
+    return ",".join(f"{i}:K{k}V{v}" for i, k, v in layer_bits) or "(none: uniform)"
 
 
 # ---------------------------------------------------------------- needle in a haystack

@@ -27,6 +27,7 @@ import dataclasses
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models import qwen2
 
 from . import evaluation
@@ -43,7 +44,9 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     (``nbytes`` of the cache after the evaluated ``prompt_len + score_len`` tokens,
     per token and KV head: everything it allocates, sinks, window, reserve, means
     and spare capacity, with the keys and values of a float16 model;
-    :func:`oiq_mlx.evaluation.allocated_bytes_per_token`), ``ppl``, ``ppl_delta``
+    :func:`oiq_mlx.evaluation.allocated_bytes_per_token`), ``layer_bits`` (OIQ:
+    the ``[layer, k_bits, v_bits]`` triples, one list per window, calibrated on
+    each window's prompt for a ``layer_bits=auto`` spec; None otherwise), ``ppl``, ``ppl_delta``
     (relative to fp), ``kl``, ``top1``, ``tokens_per_s``."""
     install()
     specs = list(specs)
@@ -57,12 +60,18 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     rows = []
     for s in specs:
         r = res[s.name]
+        if s.calibrate:  # the calibrated configs' bytes, mean over windows
+            calibrated = [dataclasses.replace(s.oiq, layer_bits=lb) for lb in r["layer_bits"]]
+            bpt = float(np.mean([c.bytes_per_token(head_dim, layers) for c in calibrated]))
+        else:
+            bpt = s.bytes_per_token(head_dim, layers=layers)
         rows.append({
             "name": s.name,
             "kind": s.kind,
             "description": s.description,
             "config": None if s.oiq is None else dataclasses.asdict(s.oiq),
-            "bytes_per_token": s.bytes_per_token(head_dim, layers=layers),
+            "layer_bits": r.get("layer_bits", [[list(x) for x in s.oiq.layer_bits]] * windows if s.oiq is not None else None),
+            "bytes_per_token": bpt,
             "bytes_allocated": r["fp16_bytes_per_token_head"],
             "ppl": r["ppl"],
             "ppl_delta": r["ppl"] / fp_ppl - 1,

@@ -10,6 +10,10 @@ A configuration is named by text that :func:`parse_spec` reads:
 * ``preset:NAME`` / ``preset:NAME[field=value,...]``: ``OIQConfig.preset(NAME)``
   with fields replaced;
 * ``oiq[field=value,...]``: ``OIQConfig(field=value, ...)``;
+* in either bracket, ``layer_bits=auto`` or ``layer_bits=auto:BUDGET``: per-layer
+  bits calibrated on each prompt (:mod:`oiq_mlx.calibrate`) within the config's
+  own bytes per token or BUDGET; such a spec makes caches only after
+  :meth:`CacheSpec.for_prompt`;
 * the named entries of :func:`cache_registry` (``mlx-q4-g64``, ``oiq-4``,
   ``oiq-plain-3``, ``absmax-4``, ...), and ``mlx-qB`` / ``oiq-Nbit``, the
   names ``bench_latency.py`` has always printed (group 64; preset ``Nbit``).
@@ -37,6 +41,11 @@ class CacheSpec:
     ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` at the model dtype), ``"mlx"``
     (mlx-lm ``QuantizedKVCache(group_size, bits)``, affine) or ``"oiq"``
     (:class:`OIQKVCache` with ``oiq``).
+
+    ``calibrate``: the ``oiq`` config's ``layer_bits`` are to be chosen on the
+    prompt (``layer_bits=auto``), within ``calibrate_budget`` bytes per token
+    per KV head (None: the config's own); :meth:`for_prompt` does it, and
+    :meth:`make_cache` refuses until then.
     """
 
     name: str
@@ -45,11 +54,31 @@ class CacheSpec:
     group_size: int = 0
     oiq: OIQConfig | None = None
     description: str = ""
+    calibrate: bool = False
+    calibrate_budget: float | None = None
+
+    def for_prompt(self, model, tokens) -> "CacheSpec":
+        """This spec with ``layer_bits`` calibrated on the prompt ``tokens``
+        (:func:`oiq_mlx.calibrate.calibrate_layer_bits`); itself when no
+        calibration was asked for."""
+        if not self.calibrate:
+            return self
+        from .calibrate import calibrate_layer_bits
+
+        cfg = calibrate_layer_bits(model, tokens, self.oiq, budget=self.calibrate_budget)
+        return dataclasses.replace(self, oiq=cfg, calibrate=False)
+
+    def _check_calibrated(self, what: str):
+        if self.calibrate:
+            raise ValueError(f"cache {self.name!r} has layer_bits=auto: calibrate it on the prompt "
+                             f"(CacheSpec.for_prompt) before {what}")
 
     def make_cache(self, model) -> list:
         """A fresh prompt cache for ``model``, quantized from token 0 for ``mlx``
         (as ``generate_step`` with ``quantized_kv_start=0``); layers other than
-        plain ``KVCache`` (sliding-window, SSM) stay mlx-lm's own for every kind."""
+        plain ``KVCache`` (sliding-window, SSM) stay mlx-lm's own for every kind.
+        ``ValueError`` for a ``layer_bits=auto`` spec not calibrated yet."""
+        self._check_calibrated("making a cache")
         if self.kind == "fp":
             return make_prompt_cache(model)
         if self.kind == "mlx":
@@ -70,8 +99,10 @@ class CacheSpec:
         reserve, means, spare capacity) is measured, not computed: its ``nbytes``
         (:func:`oiq_mlx.evaluation.allocated_bytes_per_token`).  ``layers``: the
         model's OIQ layer indices, needed (and averaged over) when the config has
-        ``layer_bits``.
+        ``layer_bits``.  ``ValueError`` for a ``layer_bits=auto`` spec not
+        calibrated yet (its bytes depend on the prompt).
         """
+        self._check_calibrated("counting its bytes")
         if self.kind == "fp":
             return 2 * head_dim * FP16_BYTES
         if self.kind == "mlx":
@@ -95,6 +126,7 @@ class CacheSpec:
         (fp), ``--no-oiq --kv-bits B --kv-group-size G --quantized-kv-start 0``
         (mlx: quantized from the first token, not mlx-lm's default 5000), or
         every OIQ field as its flag."""
+        self._check_calibrated("serving it")
         if self.kind == "fp":
             return ["--no-oiq"]
         if self.kind == "mlx":
@@ -122,6 +154,8 @@ class CacheSpec:
             "group_size": self.group_size,
             "oiq": None if self.oiq is None else dataclasses.asdict(self.oiq),
             "description": self.description,
+            "calibrate": self.calibrate,
+            "calibrate_budget": self.calibrate_budget,
         }
 
 
@@ -176,6 +210,20 @@ def _fields(text: str, inner: str) -> dict:
     return kw
 
 
+def _auto(text: str, kw: dict) -> dict:
+    """``CacheSpec`` fields of a ``layer_bits=auto[:BUDGET]`` request (removed from ``kw``)."""
+    from .calibrate import parse_auto
+
+    try:
+        auto, budget = parse_auto(kw.get("layer_bits"))
+    except ValueError as e:
+        raise ValueError(f"cache {text!r}: {e}") from None
+    if not auto:
+        return {}
+    del kw["layer_bits"]
+    return {"calibrate": True, "calibrate_budget": budget}
+
+
 def parse_spec(text: str) -> CacheSpec:
     """The configuration a name stands for (module docstring); ``ValueError``
     naming the problem for anything else."""
@@ -197,17 +245,30 @@ def parse_spec(text: str) -> CacheSpec:
     m = re.fullmatch(r"preset:([^\[\]]+)(?:\[(.*)\])?", name)
     if m:
         kw = _fields(text, m.group(2) or "")
+        auto = _auto(text, kw)
         cfg = OIQConfig.preset(m.group(1), **kw)
-        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, f"OIQConfig.preset({m.group(1)!r}) {kw or ''}".strip())
+        desc = f"OIQConfig.preset({m.group(1)!r}) {kw or ''}".strip()
+        if auto:
+            desc += f", layer_bits calibrated on the prompt{_budget_text(auto)}"
+        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, desc, **auto)
     m = re.fullmatch(r"oiq\[(.*)\]", name)
     if m:
         kw = _fields(text, m.group(1))
+        auto = _auto(text, kw)
         cfg = OIQConfig(**kw)
-        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, f"custom OIQ {kw}")
+        desc = f"custom OIQ {kw}"
+        if auto:
+            desc += f", layer_bits calibrated on the prompt{_budget_text(auto)}"
+        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, desc, **auto)
     raise ValueError(
         f"unknown cache {text!r}; use fp, mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...] "
         f"or one of {', '.join(reg)}"
     )
+
+
+def _budget_text(auto: dict) -> str:
+    b = auto["calibrate_budget"]
+    return "" if b is None else f" within {b:g} bytes/token/KV head"
 
 
 def split_spec_list(text: str) -> list[str]:

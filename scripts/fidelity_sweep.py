@@ -4,7 +4,8 @@ full-precision cache, with the bytes each spends per token (oiq_mlx.fidelity).
 
 Caches: registry names of oiq_mlx.evaluation (fp, mlx-q4-g64, oiq-4, ...),
 oiq[field=value,...], mlx:BITS[:GROUP] (mlx-lm affine QuantizedKVCache),
-preset:NAME or preset:NAME[field=value,...].  The fp reference always runs.
+preset:NAME or preset:NAME[field=value,...] (layer_bits=auto or auto:BUDGET in the brackets:
+per-layer bits calibrated on each window's prompt, printed under the table).  The fp reference always runs.
 
 Scoring feeds the continuation one token per call by default, through the
 decode path, exactly as generation does; about 100 s per cache on SmolLM2 on
@@ -56,6 +57,10 @@ def main(argv=None):
     rows = fidelity.sweep(model, tokens, specs, prompt_len=args.prompt, score_len=args.scored,
                           chunk=args.chunk, windows=args.windows, progress=progress)
     print(fidelity.frontier_table(rows))
+    for r in rows:  # per-layer bits (layer_bits=auto: as calibrated on each window's prompt)
+        for w, lb in enumerate(r["layer_bits"] or []):
+            if lb:
+                print(f"{r['name']}: window {w + 1} layer_bits {','.join(f'{i}:K{k}V{v}' for i, k, v in lb)}")
     wall = time.perf_counter() - t0
     progress(f"done in {wall:.0f} s")
     if args.json:
