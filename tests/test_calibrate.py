@@ -233,4 +233,5 @@ def test_cli_layer_bits_auto_end_to_end():
     assert chosen != "none (uniform)" and chosen.count(":K3V3") >= 1, line
     assert f"KV cache (OIQ K2V2 g32, layers {chosen}, preset 2bit)" in err, err
     rc, _, err = _cli("--preset", "2bit", "--layer-bits", "auto", "-m", "1", "-p", "hi")
-    assert rc == 2 and "--layer-bits auto: calibrating layer_bits needs a prompt of at least 168 tokens" in err, err
+    need = 2 * (4 + OIQConfig.preset("2bit").window + 16)
+    assert rc == 2 and f"--layer-bits auto: calibrating layer_bits needs a prompt of at least {need} tokens" in err, err

@@ -148,6 +148,7 @@ def test_sweep_rows_on_tiny_model():
     packed = OIQKVCache.step * 40
     # full-precision rows; float32 vectors per KV head: key and value means, key scales and
     # their stacked copy (2), and the 4 sign vectors of the layer over its 2 KV heads
-    fixed = (4 + 64 + 16 + 16) * 256 + (2 + 1 + 2 + 4 // 2) * 64 * 4
+    window = OIQConfig.preset("2bit").window
+    fixed = (4 + window + 16 + 16) * 256 + (2 + 1 + 2 + 4 // 2) * 64 * 4
     assert 40 < rows[2]["bytes_allocated"] <= (packed + fixed) / 192
     assert "| preset:2bit | 40 |" in fidelity.frontier_table(rows)
