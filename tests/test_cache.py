@@ -542,3 +542,18 @@ def test_cache_works_on_a_thread_of_its_own():
     t.start()
     t.join()
     assert not errors, errors
+
+
+@pytest.mark.parametrize("k_bits,v_bits,group_size,head_dim", [(2, 2, 64, 64), (2, 2, 32, 64), (3, 3, 64, 64),
+                                                               (4, 2, 32, 128), (3, 4, 128, 80), (2, 3, 64, 256)])
+def test_bytes_per_token_is_what_the_packed_rows_hold(k_bits, v_bits, group_size, head_dim):
+    """OIQConfig.bytes_per_token counts the packed rows as stored, in whole words: at d = 64 and
+    group 64 the one float16 scale of a side takes a word (K2V2 is 40 bytes, as at group 32)."""
+    cfg = OIQConfig(k_bits=k_bits, v_bits=v_bits, group_size=group_size, sink_tokens=0, window=0, trim_reserve=0)
+    cache = OIQKVCache(cfg)
+    x = mx.random.normal((1, 2, 100, head_dim))
+    cache.update_and_fetch(x, x)
+    packed = sum(side.rows.nbytes for side in (cache.k, cache.v))
+    assert packed == cfg.bytes_per_token(head_dim) * 2 * cache.k.rows.shape[2]
+    if (k_bits, v_bits, group_size, head_dim) == (2, 2, 64, 64):
+        assert cfg.bytes_per_token(64) == OIQConfig(k_bits=2, v_bits=2, group_size=32).bytes_per_token(64) == 40
