@@ -132,7 +132,9 @@ def test_kv_bytes_match_cache_formulas(model_result):
             recent_caps = {layer["arrays"]["k.recent"][2] for layer in r["kv_layout"]}
             assert len(recent_caps) == 1
             cap_r = recent_caps.pop()
-            assert cap_r % 64 == 0 and min(cfg.window, T) <= cap_r <= cfg.window + cfg.trim_reserve + 64 + 64
+            # the window buffer: whole steps of recent_step rows, at most window + reserve + one block
+            step = OIQKVCache.recent_step
+            assert cap_r % step == 0 and min(cfg.window, T) <= cap_r <= cfg.window + cfg.trim_reserve + step
             per_layer = quant + sink + mean + lam + signs + stacked + 2 * N_KV * cap_r * HEAD_DIM * 4
         assert r["kv_bytes"] == N_LAYERS * per_layer, (r["context"], r["cache"])
 
