@@ -71,7 +71,7 @@ def test_non_finite_input_stays_in_its_token_and_head(preset, position):
     bit-identical to the clean cache, every other token of that head finite (and
     bit-identical unless the token was in the chunk the statistics come from, which
     then leave it out), and trimming the token restores finite attention."""
-    cfg = OIQConfig.preset(preset)
+    cfg = OIQConfig.preset(preset, window=64)  # POSITIONS are laid out for a 64-token window
     p = POSITIONS[position]
     clean = _fill(cfg, *_inputs())
     ck, cv = clean.dequantized_kv()
