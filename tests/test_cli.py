@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from helpers import write_tiny_gguf
+from helpers import demo_path_or_skip, write_tiny_gguf
 from oiq_mlx import OIQConfig, OIQKVCache, models
 from oiq_mlx.cli import memory_line, run
 
@@ -144,10 +144,7 @@ def test_warnings_print_as_one_plain_line(capsys):
 
 @pytest.mark.slow
 def test_generates_from_stdin_and_reports_memory():
-    try:
-        models.demo_model_path(install=False)
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+    demo_path_or_skip()
     r = _cli("--prompt", "-", "--max-tokens", "8", "--k-bits", "5", "--v-bits", "3", stdin="What is the capital of France?")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
