@@ -28,10 +28,10 @@ import dataclasses
 
 import mlx.core as mx
 
+from .cache import OIQKVCache
 from .config import OIQConfig
 
 LADDER = (2, 3, 4)  # bits the default candidates move within
-BLOCK = 16  # tokens per packed block (OIQConfig.window's docstring)
 
 
 def parse_auto(text) -> tuple[bool, float | None]:
@@ -63,7 +63,7 @@ def default_choices(config: OIQConfig) -> list[tuple[int, int]]:
 def min_tokens(config: OIQConfig) -> int:
     """The shortest prompt :func:`calibrate_layer_bits` accepts: twice what the
     sinks, the window and one packed block hold, so that most of it is packed."""
-    return 2 * (config.sink_tokens + config.window + BLOCK)
+    return 2 * (config.sink_tokens + config.window + OIQKVCache.flush_block)
 
 
 def candidate_bytes(config: OIQConfig, head_dim: int, bits: tuple[int, int]) -> float:
@@ -79,7 +79,6 @@ def layer_errors(model, tokens, config: OIQConfig, choices, *, records=None) -> 
     :func:`oiq_mlx.evaluation.capture_attention_inputs` of ``tokens``, if
     already taken."""
     from .attention import oiq_attention
-    from .cache import OIQKVCache
     from .evaluation import capture_attention_inputs, cosine_rows
     from .integration import model_head_dim, oiq_layer_indices
 
@@ -175,7 +174,7 @@ def calibrate_layer_bits(model, tokens, config: OIQConfig, *, budget: float | No
     need = min_tokens(config)
     if len(tokens) < need:
         raise ValueError(f"calibrating layer_bits needs a prompt of at least {need} tokens "
-                         f"(2 x (sink_tokens {config.sink_tokens} + window {config.window} + {BLOCK})), "
+                         f"(2 x (sink_tokens {config.sink_tokens} + window {config.window} + {OIQKVCache.flush_block})), "
                          f"got {len(tokens)}")
     head_dim = model_head_dim(model)
     choices = [tuple(int(x) for x in b) for b in (choices if choices is not None else default_choices(config))]

@@ -21,7 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from .cache import OIQKVCache
 from .calibrate import calibrate_layer_bits, parse_auto
-from .config import OIQConfig
+from .config import OIQConfig, layer_bits_text
 from .distributed import ShardedRun, check_layout
 from .distributed import add_arguments as add_sharding_arguments
 from .integration import cache_tokens, install, kv_memory, make_oiq_cache, model_head_dim, oiq_layer_indices
@@ -187,18 +187,13 @@ def oiq_options_given(args) -> list[str]:
     return given + (["--no-oiq"] if args.no_oiq else [])
 
 
-def layer_bits_auto(args) -> tuple[bool, float | None]:
-    """``(True, budget or None)`` when --layer-bits is ``auto[:BUDGET]``, else ``(False, None)``."""
-    return parse_auto(args.layer_bits)
-
-
 def config_from_args(args, *, allow_auto: bool = False):
     """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced.
 
     ``--layer-bits auto``: ValueError unless ``allow_auto``, and then the config
-    without layer_bits (the caller calibrates it, :func:`layer_bits_auto`)."""
+    without layer_bits (the caller calibrates it, :func:`oiq_mlx.calibrate.parse_auto`)."""
     overrides = {field: getattr(args, a) for a, field in _OIQ_FIELDS.items() if getattr(args, a) is not None}
-    if layer_bits_auto(args)[0]:
+    if parse_auto(args.layer_bits)[0]:
         if not allow_auto:
             raise ValueError("--layer-bits auto is calibrated on the prompt: oiq-generate only, without "
                              "--prompt-cache-file")
@@ -249,7 +244,7 @@ def cache_label(cache) -> str:
     cfg = configs[0]
     label = f"OIQ K{cfg.k_bits}V{cfg.v_bits} g{cfg.group_size}"
     if cfg.layer_bits:
-        label += ", layers " + ",".join(f"{i}:K{kb}V{vb}" for i, kb, vb in cfg.layer_bits)
+        label += ", layers " + layer_bits_text(cfg.layer_bits)
     return label
 
 
@@ -358,7 +353,7 @@ def _calibrate(model, tokens, config, budget, *, quiet: bool):
         raise UsageError(f"--layer-bits auto: {e}") from None
     if not quiet:
         head_dim, layers = model_head_dim(model), oiq_layer_indices(model)
-        chosen = ",".join(f"{i}:K{k}V{v}" for i, k, v in calibrated.layer_bits) or "none (uniform)"
+        chosen = layer_bits_text(calibrated.layer_bits) or "none (uniform)"
         limit = config.bytes_per_token(head_dim) if budget is None else budget
         print(f"layer bits calibrated on the {len(tokens)} prompt tokens: {chosen}; "
               f"{calibrated.bytes_per_token(head_dim, layers):g} bytes/token/KV head (budget {limit:g})",
@@ -399,7 +394,7 @@ def _main(argv) -> int:
             raise UsageError(f"the prompt cache has {len(cache)} layers, the model {name} {n_layers}")
     else:
         try:
-            auto, budget = layer_bits_auto(args)
+            auto, budget = parse_auto(args.layer_bits)
             config = None if args.no_oiq else config_from_args(args, allow_auto=True)
         except ValueError as e:
             raise UsageError(str(e)) from None

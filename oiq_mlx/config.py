@@ -62,6 +62,11 @@ def _parse_layer_bits(value) -> tuple:
     return tuple(sorted(out))
 
 
+def layer_bits_text(layer_bits) -> str:
+    """``layer_bits`` triples as ``"3:K3V3,8:K4V4"`` ("" for none)."""
+    return ",".join(f"{i}:K{k}V{v}" for i, k, v in layer_bits)
+
+
 def _check_int(name: str, value, minimum: int = 0, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -48,7 +48,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from .attention import oiq_attention
 from .cache import OIQKVCache, layer_seed
-from .config import OIQConfig
+from .config import OIQConfig, layer_bits_text
 from . import __version__, _platform, models
 from .integration import install, model_head_dim, oiq_layer_indices
 from .rotation import random_signs, rotate
@@ -178,20 +178,16 @@ def measured_bytes_per_token(cache, tokens: int) -> float:
     capacity included, in the arrays' real dtypes) per token per KV head."""
     total, units = 0, 0
     for c in cache:
-        if isinstance(c, (OIQKVCache, QuantizedKVCache)) or type(c) is KVCache:
+        shape = _kv_shape(c)
+        if shape is not None:
             total += c.nbytes
-            if isinstance(c, OIQKVCache):
-                heads = c.k.sink.shape[1] if c.k.sink is not None else 0
-            elif isinstance(c, QuantizedKVCache):
-                heads = c.keys[0].shape[1] if c.keys is not None else 0
-            else:
-                heads = c.keys.shape[1] if c.keys is not None else 0
-            units += heads
+            units += shape[1]
     return total / (units * tokens) if units and tokens else 0.0
 
 
 def _kv_shape(c):
-    """``(B, H, k_dim, v_dim)`` of a cache :func:`measured_bytes_per_token` counts, else None."""
+    """``(B, H, k_dim, v_dim)`` of a holding OIQ, mlx-lm quantized or plain ``KVCache``
+    layer (the ones :func:`measured_bytes_per_token` counts), else None."""
     if isinstance(c, OIQKVCache):
         return None if c.empty() else (*c.batch_heads, c.k.head_dim, c.v.head_dim)
     if isinstance(c, QuantizedKVCache):
@@ -256,8 +252,10 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
     if specs[0].kind != "fp":
         raise ValueError("the first spec must be the fp reference")
     acc = {s.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0, "seconds": 0.0, "win_nll": [], "bytes": [],
-                    "layer_bits": [], "calibration_s": 0.0} for s in specs}
+                    "fp16_bytes": [], "layer_bits": [], "calibration_s": 0.0} for s in specs}
     n_chunks = -(-score_len // chunk)
+    # the update calls of a window (the prompt, then the chunks), replayed for the float16 bytes
+    calls = [prompt_len] + [min(chunk, prompt_len + score_len - a) for a in range(prompt_len, span - 1, chunk)]
     total_units = windows * (n_chunks + 1) * len(specs)
     done_units, t0 = 0, time.perf_counter()
     last_line = t0
@@ -271,7 +269,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
                 acc[s.name]["calibration_s"] += time.perf_counter() - t
                 acc[s.name]["layer_bits"].append([list(x) for x in cal.oiq.layer_bits])
                 progress(f"ppl window {w + 1}/{windows}: {s.name} calibrated layer_bits "
-                         f"{_layer_bits_text(cal.oiq.layer_bits)}")
+                         f"{layer_bits_text(cal.oiq.layer_bits) or 'none (uniform)'}")
                 s = cal
             window_specs.append(s)
         caches = [s.make_cache(model) for s in window_specs]
@@ -319,13 +317,12 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
                 last_line = now
                 progress(f"ppl window {w + 1}/{windows} chunk {i + 1}/{n_chunks}: tok/s {', '.join(rates)}; "
                          f"ETA {_eta(done_units, total_units, now - t0)}")
-        calls = [prompt_len] + [min(chunk, prompt_len + score_len - a) for a in range(prompt_len, span - 1, chunk)]
         for s, ws, c in zip(specs, window_specs, caches):
             acc[s.name]["win_nll"].append(math.exp(win_nll[s.name] / score_len))
             acc[s.name]["bytes"].append(measured_bytes_per_token(c, span - 1))
             # every window makes the same calls; a calibrated spec's bits may differ per window
             if w == 0 or s.calibrate:
-                acc[s.name].setdefault("fp16_bytes_w", []).append(allocated_bytes_per_token(ws, model, c, calls))
+                acc[s.name]["fp16_bytes"].append(allocated_bytes_per_token(ws, model, c, calls))
         del caches
     out = {}
     for s in specs:
@@ -339,7 +336,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
             "tokens_per_s": windows * (span - 1) / r["seconds"] if r["seconds"] else None,
             "ppl_per_window": r["win_nll"],
             "measured_bytes_per_token_head": float(np.mean(r["bytes"])),
-            "fp16_bytes_per_token_head": float(np.mean(r["fp16_bytes_w"])),
+            "fp16_bytes_per_token_head": float(np.mean(r["fp16_bytes"])),
         }
         if s.calibrate:
             out[s.name]["layer_bits"] = r["layer_bits"]
@@ -347,10 +344,6 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
         progress(f"ppl {s.name}: ppl {out[s.name]['ppl']:.3f} KL {out[s.name]['kl']:.4f} "
                  f"top1 {out[s.name]['top1']:.3f} ({out[s.name]['tokens_per_s']:.0f} tok/s)")
     return out
-
-
-def _layer_bits_text(layer_bits) -> str:
-    return ",".join(f"{i}:K{k}V{v}" for i, k, v in layer_bits) or "(none: uniform)"
 
 
 # ---------------------------------------------------------------- needle in a haystack

@@ -246,29 +246,25 @@ def parse_spec(text: str) -> CacheSpec:
     if m:
         kw = _fields(text, m.group(2) or "")
         auto = _auto(text, kw)
-        cfg = OIQConfig.preset(m.group(1), **kw)
-        desc = f"OIQConfig.preset({m.group(1)!r}) {kw or ''}".strip()
-        if auto:
-            desc += f", layer_bits calibrated on the prompt{_budget_text(auto)}"
-        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, desc, **auto)
+        return _oiq_spec(name, OIQConfig.preset(m.group(1), **kw), f"OIQConfig.preset({m.group(1)!r}) {kw or ''}".strip(),
+                         auto)
     m = re.fullmatch(r"oiq\[(.*)\]", name)
     if m:
         kw = _fields(text, m.group(1))
         auto = _auto(text, kw)
-        cfg = OIQConfig(**kw)
-        desc = f"custom OIQ {kw}"
-        if auto:
-            desc += f", layer_bits calibrated on the prompt{_budget_text(auto)}"
-        return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, desc, **auto)
+        return _oiq_spec(name, OIQConfig(**kw), f"custom OIQ {kw}", auto)
     raise ValueError(
         f"unknown cache {text!r}; use fp, mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...] "
         f"or one of {', '.join(reg)}"
     )
 
 
-def _budget_text(auto: dict) -> str:
-    b = auto["calibrate_budget"]
-    return "" if b is None else f" within {b:g} bytes/token/KV head"
+def _oiq_spec(name: str, cfg: OIQConfig, desc: str, auto: dict) -> CacheSpec:
+    """The spec of an OIQ config; ``auto``: the ``_auto`` fields of a ``layer_bits=auto`` request."""
+    if auto:
+        b = auto["calibrate_budget"]
+        desc += ", layer_bits calibrated on the prompt" + ("" if b is None else f" within {b:g} bytes/token/KV head")
+    return CacheSpec(name, "oiq", cfg.k_bits, cfg.group_size, cfg, desc, **auto)
 
 
 def split_spec_list(text: str) -> list[str]:

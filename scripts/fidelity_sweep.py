@@ -23,6 +23,7 @@ import time
 
 import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
 from oiq_mlx import evaluation, fidelity
+from oiq_mlx.config import layer_bits_text
 
 
 def main(argv=None):
@@ -60,7 +61,7 @@ def main(argv=None):
     for r in rows:  # per-layer bits (layer_bits=auto: as calibrated on each window's prompt)
         for w, lb in enumerate(r["layer_bits"] or []):
             if lb:
-                print(f"{r['name']}: window {w + 1} layer_bits {','.join(f'{i}:K{k}V{v}' for i, k, v in lb)}")
+                print(f"{r['name']}: window {w + 1} layer_bits {layer_bits_text(lb)}")
     wall = time.perf_counter() - t0
     progress(f"done in {wall:.0f} s")
     if args.json:

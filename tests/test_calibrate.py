@@ -208,10 +208,10 @@ def test_cli_auto_refusals_before_loading_a_model():
 
 
 def test_cli_config_keeps_auto_out_of_the_config():
-    from oiq_mlx.cli import build_parser, config_from_args, layer_bits_auto
+    from oiq_mlx.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(["--preset", "2bit", "--layer-bits", "auto:44"])
-    assert layer_bits_auto(args) == (True, 44.0)
+    assert parse_auto(args.layer_bits) == (True, 44.0)
     assert config_from_args(args, allow_auto=True) == OIQConfig.preset("2bit")
     with pytest.raises(ValueError, match="oiq-generate only, without --prompt-cache-file"):
         config_from_args(args)  # oiq-cache-prompt, and the check against a loaded cache file
