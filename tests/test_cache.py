@@ -237,7 +237,7 @@ def test_nbytes_matches_allocation_and_compression():
     assert (16384 * B * H * 2 * d * 2) / default.nbytes >= 3.4
 
 
-@pytest.mark.parametrize("preset,window,reserve", [("4bit", 64, 16), ("3bit", 64, 16), ("2bit", 96, 16),
+@pytest.mark.parametrize("preset,window,reserve", [("4bit", 64, 16), ("3bit", 64, 16), ("2bit", 128, 16),
                                                    ("4bit", 32, 0), ("4bit", 8, 16), ("2bit", 64, 40)])
 def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, window, reserve):
     """Issue 16's fixed cost: after a prompt and through decoding (prompt lengths on and off
