@@ -41,6 +41,8 @@ CONFIGS = [
     OIQConfig(k_bits=4, v_bits=3, sink_tokens=0, window=0, center_keys=False),
     OIQConfig(k_bits=2, v_bits=5, sink_tokens=7, window=5, center_values=True, clip=True, trim_reserve=3),
     OIQConfig(k_bits=6, v_bits=4, group_size=64, quantize_after=40, window=3),
+    OIQConfig.preset("3bit"),  # key scaling 0.75, clipped scales
+    OIQConfig.preset("2bit"),  # + value mean, window 128 (past the first chunks here)
 ]
 
 
@@ -67,7 +69,8 @@ def test_attention_over_stored_kv(cfg, shape):
         assert float(mx.abs(kd - k).max()) < tol[cfg.k_bits]
         assert float(mx.abs(vd - v).max()) < tol[cfg.v_bits]
     assert cache.offset == sum(chunks)
-    assert cache.k.codes.shape[2] == 512  # grew past 256 in place, in steps
+    if sum(chunks) - cfg.sink_tokens - cfg.window > 256:  # more rows packed than the first allocation holds
+        assert cache.k.codes.shape[2] == 512  # grew past 256 in place, in steps
 
 
 def test_full_precision_segments_are_exact():
