@@ -39,7 +39,6 @@ from . import __version__, trace
 from ._platform import openblas_path
 from .attention import oiq_attention
 from .cache import OIQKVCache
-from .config import OIQConfig
 from .integration import install
 from .models import default_text
 from .specs import CacheSpec, parse_spec
@@ -84,19 +83,20 @@ def describe(spec: CacheSpec) -> dict:
     return d
 
 
-def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), oiq_config: OIQConfig | None = None, fp: bool = True):
+def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), group_size: int | None = None, fp: bool = True):
     """fp, then mlx-lm quantized at each of ``mlx_bits`` (group 64), then OIQ
     with ``k_bits = v_bits`` at each of ``oiq_bits``: the preset of that name
-    (``OIQConfig.preset("4bit")`` ...) where one exists, else the defaults; with
-    ``oiq_config``, its other fields instead.  Named as
+    (``OIQConfig.preset("4bit")`` ...) where one exists, else the defaults at those
+    bits; ``group_size`` replaces the OIQ group size and nothing else.  Named as
     :func:`oiq_mlx.specs.parse_spec` reads them (``mlx-q4``, ``oiq-4bit``)."""
     specs = [parse_spec("fp")] if fp else []
     specs += [parse_spec(f"mlx-q{b}") for b in mlx_bits]
     for b in oiq_bits:
         spec = parse_spec(f"oiq-{b}bit")
-        if oiq_config is not None:
-            spec = dataclasses.replace(spec, oiq=dataclasses.replace(oiq_config, k_bits=b, v_bits=b),
-                                       description=f"OIQ {b}-bit, the given config's other fields")
+        if group_size is not None:
+            spec = dataclasses.replace(spec, group_size=group_size,
+                                       oiq=dataclasses.replace(spec.oiq, group_size=group_size),
+                                       description=f"{spec.description}, group {group_size}")
         specs.append(spec)
     return specs
 

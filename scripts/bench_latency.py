@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     parser.add_argument("--oiq-bits", default="4,3,2", help="OIQ settings to run, k_bits = v_bits each (default 4,3,2)")
     parser.add_argument("--mlx-bits", default="4,8",
                         help="mlx-lm QuantizedKVCache bit widths, group 64 (default 4,8; empty string: none)")
-    parser.add_argument("--group-size", type=int, default=None, help="OIQ group size (default: OIQConfig's, 32)")
+    parser.add_argument("--group-size", type=int, default=None, help="OIQ group size, replacing the presets' (32)")
     parser.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per configuration (default 32; --quick 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before the timed ones (default 3)")
     parser.add_argument("--prefill-chunk", type=int, default=2048,
@@ -64,7 +64,6 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from oiq_mlx import benchmark as bench
-    from oiq_mlx.config import OIQConfig
 
     if args.cpu:
         mx.set_default_device(mx.cpu)
@@ -73,8 +72,7 @@ def main(argv=None) -> int:
     attn_contexts = bench.parse_contexts(args.attn_contexts) if args.attn_contexts else contexts
     steps = args.decode_steps if args.decode_steps is not None else (20 if args.quick else 32)
     warmup = 2 if args.quick and args.warmup == 3 else args.warmup
-    base = OIQConfig() if args.group_size is None else OIQConfig(group_size=args.group_size)
-    specs = bench.default_specs(_ints(args.oiq_bits), _ints(args.mlx_bits), base)
+    specs = bench.default_specs(_ints(args.oiq_bits), _ints(args.mlx_bits), args.group_size)
 
     result = {"environment": bench.environment(), "command": sys.argv,
               "settings": {"contexts": contexts, "decode_steps": steps, "warmup": warmup,

@@ -179,3 +179,12 @@ def test_oiq_settings_are_the_presets():
     for b in (4, 3, 2):
         assert specs[f"oiq-{b}bit"].oiq == OIQConfig.preset(f"{b}bit")
     assert specs["oiq-8bit"].oiq == OIQConfig(k_bits=8, v_bits=8)
+
+
+def test_group_size_replaces_only_the_group_size():
+    """``bench_latency.py --group-size`` benchmarks the presets at another group size (it once
+    replaced every preset by the 4bit defaults at the preset's bits)."""
+    specs = {s.name: s for s in bench.default_specs(oiq_bits=(4, 3, 2), mlx_bits=(), group_size=64, fp=False)}
+    for b in (4, 3, 2):
+        assert specs[f"oiq-{b}bit"].oiq == OIQConfig.preset(f"{b}bit", group_size=64)
+        assert specs[f"oiq-{b}bit"].group_size == 64
