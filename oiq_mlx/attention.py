@@ -323,6 +323,10 @@ def oiq_batch_attention(queries: mx.array, cache, scale: float, mask=None, sinks
     B, n_q, L, _ = queries.shape
     if B != len(cache.caches):
         raise ValueError(f"queries hold {B} sequences, the cache {len(cache.caches)}")
+    if cache.stacked is not None:
+        if mask is None:
+            return _stacked_attention(queries, cache.stacked, scale, sinks)
+        cache.unstack()  # a mask of mlx-lm's: each sequence with its own slice of it
     filled = [c for c in cache.caches if not c.empty()]
     if not filled:
         raise ValueError("attention over a batch whose caches are all empty")
@@ -335,3 +339,19 @@ def oiq_batch_attention(queries: mx.array, cache, scale: float, mask=None, sinks
         m = None if mask is None else mask[i : i + 1, ..., mask.shape[-1] - c.offset :]
         outs.append(oiq_attention(queries[i : i + 1], c, scale=scale, mask=m, sinks=sinks))
     return mx.concatenate(outs, axis=0) if B > 1 else outs[0]
+
+
+def _stacked_attention(queries: mx.array, stacked, scale: float, sinks) -> mx.array:
+    """One decode step of a batch over storage stacked across its sequences
+    (:class:`oiq_mlx.stacked.StackedDecode`): the kernel or reference path of one cache,
+    with the mask that shows each sequence only its own rows."""
+    v = stacked.v
+    if sinks is not None and v.mean is not None:
+        raise ValueError("attention sinks cannot be combined with center_values=True")
+    segments, mask = stacked.attention_segments()
+    stacked.release()
+    fused = decode_attention_kernel(stacked, queries, scale, mask, sinks, segments=segments,
+                                    out_dtype=queries.dtype)
+    if fused is not None:
+        return fused[..., : v.head_dim]
+    return reference_output(queries, stacked, scale, mask, sinks, segments)[..., : v.head_dim].astype(queries.dtype)

@@ -10,12 +10,17 @@ Here the batch keeps every sequence's own :class:`~oiq_mlx.cache.OIQKVCache`
 (own offset, sinks, centering statistics, packed segment and window) and
 writes to each only that sequence's real rows: padding never reaches a
 sequence's storage, statistics or sinks, so each sequence is stored exactly
-as it would be if it ran alone.  Attention runs per sequence
-(:func:`oiq_mlx.attention.oiq_batch_attention`) over that sequence's segments
-with its slice of the batch mask.
+as it would be if it ran alone.  Prompt chunks are written and attended per
+sequence (:func:`oiq_mlx.attention.oiq_batch_attention`, each sequence with its
+slice of the batch mask).  Decode steps (one token per sequence) run over
+storage stacked across the sequences (:mod:`oiq_mlx.stacked`): one write and one
+attention pass for the whole batch, each sequence still seeing only its own
+rows; the storage goes back to the sequences' caches whenever the batch does
+anything else (a prompt chunk, ``extend``, ``trim``, a mask) or a sequence leaves
+it (``extract``, which copies that sequence out).
 
-The module imports no other oiq_mlx module, so that ``OIQKVCache.merge`` can
-name this class without an import cycle.
+The module imports no other oiq_mlx module at import time, so that
+``OIQKVCache.merge`` can name this class without an import cycle.
 """
 
 from __future__ import annotations
@@ -55,8 +60,17 @@ class BatchOIQKVCache(_BaseCache):
         # real tokens each sequence still has in a right-padded prompt
         # (prepare .. finalize); None outside one
         self._remaining = None
+        # while the batch decodes: its storage stacked across sequences (oiq_mlx.stacked)
+        self.stacked = None
+
+    def unstack(self):
+        """Give the sequences' caches their storage back (no-op when not stacked)."""
+        if self.stacked is not None:
+            self.stacked.unstack()
+            self.stacked = None
 
     def __deepcopy__(self, memo):
+        self.unstack()
         new = BatchOIQKVCache(detached_copy(c) for c in self.caches)
         new._remaining = None if self._remaining is None else list(self._remaining)
         return new
@@ -97,6 +111,7 @@ class BatchOIQKVCache(_BaseCache):
             )
         if lengths is None:
             return
+        self.unstack()
         lengths = [int(x) for x in lengths]
         if len(lengths) != len(self.caches):
             raise ValueError(f"prepare got {len(lengths)} lengths for a batch of {len(self.caches)}")
@@ -117,6 +132,15 @@ class BatchOIQKVCache(_BaseCache):
         B, L = keys.shape[0], keys.shape[2]
         if B != len(self.caches):
             raise ValueError(f"keys hold {B} sequences, this batch {len(self.caches)}")
+        if L == 1 and self._remaining is None:
+            from .stacked import StackedDecode, stackable
+
+            if self.stacked is None and stackable(self.caches):
+                self.stacked = StackedDecode.stack(self.caches)
+            if self.stacked is not None:
+                self.stacked.update(keys, values)
+                return self, self
+        self.unstack()
         rows = self._rows(L)
         for i, (c, n) in enumerate(zip(self.caches, rows)):
             if n:
@@ -151,6 +175,8 @@ class BatchOIQKVCache(_BaseCache):
     def filter(self, batch_indices):
         if isinstance(batch_indices, mx.array):
             batch_indices = batch_indices.tolist()
+        if self.stacked is not None:
+            self.stacked.filter(batch_indices)
         self.caches = [self.caches[int(i)] for i in batch_indices]
         if self._remaining is not None:
             self._remaining = [self._remaining[int(i)] for i in batch_indices]
@@ -160,6 +186,8 @@ class BatchOIQKVCache(_BaseCache):
             raise ValueError(f"cannot extend a BatchOIQKVCache with {type(other).__name__}")
         if (self._remaining is None) != (other._remaining is None):
             raise ValueError("cannot extend a batch in the middle of a padded prompt with one that is not")
+        self.unstack()
+        other.unstack()
         self.caches += other.caches
         if self._remaining is not None:
             self._remaining += other._remaining
@@ -167,6 +195,8 @@ class BatchOIQKVCache(_BaseCache):
     def extract(self, idx: int):
         """Sequence ``idx``'s cache, intact, as a single-sequence OIQ cache
         that later writes to this batch do not change."""
+        if self.stacked is not None:
+            return self.stacked.extract(idx, detached_copy)
         return detached_copy(self.caches[idx])
 
     def size(self) -> int:
@@ -179,10 +209,13 @@ class BatchOIQKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
+        self.unstack()
         return max((c.trim(n) for c in self.caches), default=0)
 
     @property
     def state(self):
+        if self.stacked is not None:
+            return self.stacked.state
         return [c.state for c in self.caches]
 
     @property
@@ -199,4 +232,6 @@ class BatchOIQKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
+        if self.stacked is not None:
+            return self.stacked.nbytes
         return sum(c.nbytes for c in self.caches)

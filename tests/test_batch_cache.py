@@ -235,3 +235,93 @@ def test_prompt_cache_copies_and_counts_oiq_caches():
         _assert_same_storage(a, b)
         b.update_and_fetch(*_kv(5, 3))
         assert a.offset == 40
+
+
+def _decode_side_by_side(batch, alone, steps, seed, cfg=CFG, check=None):
+    """``steps`` decode steps of ``batch`` and of each cache of ``alone`` with the same rows
+    and queries; attention outputs must agree (``check(step)`` runs after each)."""
+    for t in range(steps):
+        rows = [_kv(seed + 100 * t + i, 1) for i in range(len(alone))]
+        batch.update_and_fetch(mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
+        q = mx.random.normal((len(alone), 2 * H, 1, D), key=mx.random.key(seed + t))
+        out = oiq_batch_attention(q, batch, scale=D**-0.5)
+        assert batch.stacked is not None
+        for i, (c, (k, v)) in enumerate(zip(alone, rows)):
+            c.update_and_fetch(k, v)
+            want = oiq_attention(q[i : i + 1], c, scale=D**-0.5)
+            np.testing.assert_allclose(np.array(out[i : i + 1]), np.array(want), atol=1e-5)
+        if check is not None:
+            check(t)
+
+
+@pytest.mark.parametrize("cfg", [CFG, OIQConfig.preset("3bit", window=8, sink_tokens=2, trim_reserve=4),
+                                 OIQConfig(window=8, sink_tokens=2, trim_reserve=20, center_values=True)],
+                         ids=["4bit", "3bit-clip-scaled", "reserve20-vmean"])
+def test_stacked_decode_equals_each_sequence_alone(cfg):
+    """Decode steps over storage stacked across sequences: every sequence attends to and
+    stores exactly what it would alone, across packed blocks, compactions of the window,
+    the packed buffer growing, a sequence leaving (filter) and one extracted mid-batch."""
+    history = [3, 17, 40, 300]
+    alone = [OIQKVCache(cfg) for _ in history]
+    joined = [OIQKVCache(cfg) for _ in history]
+    for i, n in enumerate(history):
+        for c in (alone[i], joined[i]):
+            c.update_and_fetch(*_kv(i, n))
+            c.release_fresh()
+    batch = OIQKVCache.merge(joined)
+    _decode_side_by_side(batch, alone, 30, seed=1000, cfg=cfg)
+    # one sequence leaves while stacked; the others go on stacked
+    batch.filter([3, 0, 2])
+    alone = [alone[3], alone[0], alone[2]]
+    assert batch.stacked is not None and batch.offset.tolist() == [c.offset for c in alone]
+    _decode_side_by_side(batch, alone, 290, seed=2000, cfg=cfg)  # the 300-token one's buffer grows
+    mid = batch.extract(1)
+    assert batch.stacked is not None
+    _assert_same_storage(alone[1], mid)
+    _decode_side_by_side(batch, alone, 5, seed=3000, cfg=cfg)
+    assert mid.offset == alone[1].offset - 5  # later steps do not reach an extracted cache
+    # a prompt chunk gives the storage back to the sequences' caches
+    n = 3
+    batch.update_and_fetch(*(mx.concatenate([_kv(9000 + i, n)[j] for i in range(3)]) for j in (0, 1)))
+    assert batch.stacked is None
+    for i, c in enumerate(alone):
+        c.update_and_fetch(*_kv(9000 + i, n))
+    for a, b in zip(alone, batch.caches):
+        _assert_same_storage(a, b)
+
+
+def test_stacked_state_holds_no_copy_and_nbytes_counts_it():
+    batch = OIQKVCache.merge([OIQKVCache(CFG) for _ in range(3)])
+    for i, c in enumerate(batch.caches):
+        c.update_and_fetch(*_kv(i, 20 + 30 * i))
+        c.release_fresh()
+    before = batch.nbytes
+    batch.update_and_fetch(*(mx.ones((3, H, 1, D)),) * 2)
+    st = batch.stacked
+    assert st is not None
+    # the sequences' buffers moved into the stacked ones (nothing held twice)
+    for c in batch.caches:
+        assert c._kv_recent is None and c._kv_rows is None and c.k.sink is None
+    assert batch.nbytes == st.sinks.nbytes + st.recent.nbytes + st.rows.nbytes + sum(c.nbytes for c in batch.caches)
+    assert batch.nbytes < 3 * before
+    mx.eval(batch.state)
+
+
+def test_stacked_step_launches_as_much_work_for_eight_sequences_as_for_one():
+    """The primitives of one decode step (write + attention) over a stacked batch do not grow
+    with the number of sequences; run per sequence they would."""
+    from oiq_mlx import trace
+
+    def step_count(n_seq):
+        batch = OIQKVCache.merge([OIQKVCache(CFG) for _ in range(n_seq)])
+        for i, c in enumerate(batch.caches):
+            c.update_and_fetch(*_kv(i, 40 + 3 * i))
+            c.release_fresh()
+        batch.update_and_fetch(*(mx.ones((n_seq, H, 1, D)),) * 2)  # stacks
+        mx.eval(oiq_batch_attention(mx.ones((n_seq, 2 * H, 1, D)), batch, scale=0.1), batch.state)
+        batch.update_and_fetch(*(mx.ones((n_seq, H, 1, D)),) * 2)
+        out = oiq_batch_attention(mx.ones((n_seq, 2 * H, 1, D)), batch, scale=0.1)
+        return sum(trace.launching_primitives([out, *_held_arrays(batch.state)]).values())
+
+    one, eight = step_count(1), step_count(8)
+    assert one == eight, (one, eight)

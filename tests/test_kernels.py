@@ -1028,3 +1028,38 @@ def test_check_metal_cases_cover_what_users_run():
     assert {c["d"] for c in cases} == {64, 128, 256} and {c["B"] for c in cases} == {1, 2}
     assert {c["dtype"] for c in cases} == {mx.float16, mx.bfloat16} and max(c["L"] for c in cases) > 1
     assert {c["d"] for c in check.codec_cases()} == {64, 128, 256}
+
+
+def test_stacked_batch_decode_through_kernels(kernels_on):
+    """A decode step of sequences of different lengths over storage stacked across them
+    (oiq_mlx.stacked) is one attention + one merge launch for the whole batch, and each
+    sequence gets what the kernels give it alone (the mask shows it only its own rows)."""
+    from oiq_mlx.attention import oiq_batch_attention
+
+    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
+    d, n_kv, lengths = 128, 2, (30, 75, 140)
+    alone, joined = [], []
+    for i, n in enumerate(lengths):
+        for group in (alone, joined):
+            c = OIQKVCache(cfg)
+            k = _heavy_tailed((1, n_kv, n, d), mx.float16, seed=i)
+            v = mx.random.normal((1, n_kv, n, d), key=mx.random.key(i + 50)).astype(mx.float16)
+            c.update_and_fetch(k, v)
+            c.release_fresh()
+            group.append(c)
+    batch = OIQKVCache.merge(joined)
+    for t in range(3):
+        k = mx.random.normal((3, n_kv, 1, d), key=mx.random.key(100 + t)).astype(mx.float16)
+        v = mx.random.normal((3, n_kv, 1, d), key=mx.random.key(200 + t)).astype(mx.float16)
+        batch.update_and_fetch(k, v)
+        assert batch.stacked is not None
+        q = mx.random.normal((3, 6, 1, d), key=mx.random.key(300 + t)).astype(mx.float16)
+        kernels_on.clear()
+        out = oiq_batch_attention(q, batch, scale=SCALE[d])
+        mx.eval(out)
+        assert len(kernels_on) == 2  # attention + merge, for all three sequences
+        for i, c in enumerate(alone):
+            c.update_and_fetch(k[i : i + 1], v[i : i + 1])
+            want = attention.oiq_attention(q[i : i + 1], c, SCALE[d])
+            np.testing.assert_allclose(np.array(out[i : i + 1], np.float32), np.array(want, np.float32),
+                                       atol=2e-3, rtol=2e-3)

@@ -1,0 +1,298 @@
+"""Decode steps of a batch of OIQ caches over storage stacked across sequences.
+
+:class:`~oiq_mlx.batch_cache.BatchOIQKVCache` keeps one :class:`~oiq_mlx.cache.OIQKVCache`
+per sequence.  Run as they are, a decode step of ``B`` sequences writes and attends
+each cache on its own: ``B`` times the operations of one sequence, which on the CPU
+backend cost about half the throughput of mlx-lm's batched full-precision cache
+(issue 13).  While a batch only decodes (one token per sequence per step), this
+module holds the batch's storage in arrays with the sequences on one axis:
+
+* ``sinks``  ``(2, B, H, S, d)``: keys and values of the sink tokens;
+* ``recent`` ``(2, B, H, R, d)``: the full-precision rows, sequence ``i``'s row ``j``
+  being its position ``recent_start[i] + j``;
+* ``rows``   ``(2, B, H, P, width)``: the packed rows (``codec.join_rows``), sequence
+  ``i``'s first ``q_end[i] - S``.
+
+A step writes every sequence's new row with one scatter, packs a block of the
+sequences whose window just filled (one quantize pass each, once per ``flush_block``
+steps of a sequence), and attends all sequences in one pass over the stacked
+arrays: the same reference path and decode kernels as one sequence
+(:func:`oiq_mlx.attention.reference_output`, :func:`~oiq_mlx.attention.decode_attention_kernel`),
+with a boolean mask that shows each sequence only its own rows.  Each sequence keeps
+its own positions, statistics, sinks and packing phase, so it stores and attends to
+exactly the rows it would alone (the values are bit-identical; sums over the padded
+columns may round differently).  :meth:`StackedDecode.unstack` gives every sequence
+its storage back, as copies that hold none of the stacked buffers.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from .cache import _SELECT_FIRST, _ZERO, _center_pair, halves, pad_last
+from .codec import row_width, split_rows
+
+# spare rows the stacked buffers are allocated with, so that growing is rare
+RECENT_SPARE = 32
+ROWS_STEP = 256
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def stackable(caches) -> bool:
+    """True when these caches (one layer of a batch) can decode stacked: written, keys and
+    values of one width sharing packed buffers, one dtype and config, sinks complete."""
+    if not caches:
+        return False
+    first = caches[0]
+    s = first.config.sink_tokens
+    for c in caches:
+        if c.dtype is None or c.dtype != first.dtype or c.config != first.config:
+            return False
+        if c._kv_recent is None or not c._pairs_packed or c.batch_heads != first.batch_heads:
+            return False
+        if c.batch_heads[0] != 1 or c.offset <= s or c._attend_from is not None:
+            return False
+    return True
+
+
+class _SideView:
+    """What attention reads of one side of the stacked batch: the per-sequence constants
+    stacked on the batch axis (``mean``, ``lam``: ``(B, H, 1, d)`` or None)."""
+
+    def __init__(self, sides, sink):
+        first = sides[0]
+        self.bits, self.dim, self.head_dim = first.bits, first.dim, first.head_dim
+        self.signs, self.rotated, self.clip = first.signs, first.rotated, first.clip
+        self.sink = sink
+        self.mean = self._stack([s.mean for s in sides])
+        self.lam = self._stack([s.lam for s in sides])
+
+    @staticmethod
+    def _stack(arrays):
+        if all(a is None for a in arrays):
+            return None
+        return mx.concatenate(arrays, axis=0)
+
+
+class StackedDecode:
+    """A decoding batch's storage stacked across sequences (see the module docstring).
+
+    Built by :meth:`stack` from the per-sequence caches, whose full-precision and
+    packed buffers move here (they hold only their constants meanwhile); they get
+    them back from :meth:`unstack`.  Acts as the cache :func:`oiq_mlx.attention.reference_output`
+    and the decode kernels read (``k``, ``v``, ``config``, ``dtype``, ``offset``,
+    ``packed_scales``)."""
+
+    def __init__(self, caches, sinks, recent, rows):
+        self.caches = caches
+        first = caches[0]
+        self.config, self.dtype = first.config, first.dtype
+        self.sinks, self.recent, self.rows = sinks, recent, rows
+        self.offsets = [c.offset for c in caches]
+        self.q_end = [c.q_end for c in caches]
+        self.recent_start = [c.recent_start for c in caches]
+        self.attend_from = None  # per sequence, the q_end the current step found
+        self.offset = 0  # columns of the current step's segments (the mask's last axis)
+        self._views()
+
+    # -- building and giving back ------------------------------------------
+
+    @classmethod
+    def stack(cls, caches) -> "StackedDecode":
+        caches = list(caches)
+        first = caches[0]
+        s, dtype = first.config.sink_tokens, first.dtype
+        _, H = first.batch_heads
+        d = first.k.dim
+        width = row_width(d, first.k.bits, first.config.group_size)
+        held = [c.offset - c.recent_start for c in caches]
+        packed = [c.q_end - s for c in caches]
+        r_cap = _round_up(max(held) + RECENT_SPARE, first.recent_step)
+        p_cap = _round_up(max(packed) + first.flush_block, ROWS_STEP)
+        sinks = mx.concatenate(
+            [mx.stack([c.k.sink[:, :, :s], c.v.sink[:, :, :s]]) for c in caches], axis=1)
+        recent = mx.concatenate(
+            [_pad_rows(c._kv_recent[:, :, :, :n], r_cap) for c, n in zip(caches, held)], axis=1)
+        rows = mx.concatenate(
+            [_pad_rows(c._kv_rows[:, :, :, :n] if n > 0 else mx.zeros((2, 1, H, 0, width), mx.uint32), p_cap)
+             for c, n in zip(caches, packed)], axis=1)
+        mx.eval(sinks, recent, rows)
+        for c in caches:
+            c._kv_recent = c.k.recent = c.v.recent = None
+            c._kv_rows = c.k.rows = c.v.rows = None
+            c.k.sink = c.v.sink = None
+            c._views = None
+        return cls(caches, sinks, recent, rows)
+
+    def _give_back(self, i: int, c):
+        """Sequence ``i``'s storage, copied out of the stacked buffers, into cache ``c``
+        (``caches[i]`` or a detached copy of it).  A step whose attention has not run
+        yet stays pending: ``c`` attends the rows it packed in full precision."""
+        s = self.config.sink_tokens
+        c.offset, c.q_end, c.recent_start = self.offsets[i], self.q_end[i], self.recent_start[i]
+        held, packed = c.offset - c.recent_start, c.q_end - s
+        c._kv_recent = mx.contiguous(self.recent[:, i : i + 1, :, : _round_up(max(held, 1), c.recent_step)])
+        c.k.recent, c.v.recent = halves(c._kv_recent)
+        if packed > 0:
+            c._kv_rows = mx.contiguous(self.rows[:, i : i + 1, :, : _round_up(packed, c.step)])
+            c.k.rows, c.v.rows = halves(c._kv_rows)
+        else:
+            c._kv_rows = c.k.rows = c.v.rows = None
+        c.k.sink, c.v.sink = (mx.contiguous(x) for x in halves(self.sinks[:, i : i + 1]))
+        c._views = c._fresh = None
+        c._attend_from = None if self.attend_from is None else self.attend_from[i]
+        c._call_tokens = 1
+        mx.eval(c._kv_recent, c._kv_rows, c.k.sink, c.v.sink)
+        return c
+
+    def unstack(self):
+        """Give every sequence's cache its storage back (copies that hold none of the
+        stacked buffers, which are dropped) and return the caches."""
+        out = [self._give_back(i, c) for i, c in enumerate(self.caches)]
+        self.caches = []
+        self.sinks = self.recent = self.rows = None
+        return out
+
+    def extract(self, i: int, copy_cache):
+        """Sequence ``i``'s cache on its own (``copy_cache``: a detached copy of its
+        metadata), the batch staying stacked."""
+        return self._give_back(i, copy_cache(self.caches[i]))
+
+    def filter(self, keep):
+        """Keep the sequences at indices ``keep``, in that order (one gather per buffer)."""
+        keep = [int(i) for i in keep]
+        idx = mx.array(np.array(keep, np.int32))
+        self.sinks, self.recent, self.rows = (mx.take(x, idx, axis=1) for x in (self.sinks, self.recent, self.rows))
+        for name in ("caches", "offsets", "q_end", "recent_start"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        if self.attend_from is not None:
+            self.attend_from = [self.attend_from[i] for i in keep]
+        self._views()
+
+    def _views(self):
+        sk, sv = halves(self.sinks)
+        self.k = _SideView([c.k for c in self.caches], sk)
+        self.v = _SideView([c.v for c in self.caches], sv)
+        self._segments = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.sinks.nbytes + self.recent.nbytes + self.rows.nbytes + sum(c.nbytes for c in self.caches)
+
+    @property
+    def state(self):
+        # what evaluating the batch's state must evaluate (mlx-lm evaluates it after prefill;
+        # the key signs carry a pipeline model's send, see OIQKVCache.keys)
+        return [self.sinks, self.recent, self.rows, self.caches[0].k.signs]
+
+    # -- one decode step -----------------------------------------------------
+
+    def update(self, keys: mx.array, values: mx.array):
+        """Write one token per sequence (``(B, H, 1, d)`` keys and values) and pack the
+        blocks that left the windows."""
+        cfg, B = self.config, len(self.caches)
+        if keys.shape[2] != 1 or keys.shape[0] != B:
+            raise ValueError(f"a stacked decode step takes one token per sequence, got {tuple(keys.shape)}")
+        self.attend_from = list(self.q_end)
+        pos = [o - r for o, r in zip(self.offsets, self.recent_start)]
+        if max(pos) >= self.recent.shape[3]:
+            self._compact()
+            pos = [o - r for o, r in zip(self.offsets, self.recent_start)]
+        km, vm = self.k.mean, self.v.mean
+        d = self.k.dim
+        k, v = pad_last(keys, d), pad_last(values, d)
+        both = _center_pair(self.dtype)(k[None], v[None], _ZERO if km is None else km,
+                                        _ZERO if vm is None else vm, _SELECT_FIRST)
+        idx = mx.array(np.array(pos, np.int32).reshape(1, B, 1, 1, 1))
+        self.recent = mx.put_along_axis(self.recent, idx, both, axis=3)
+        for i, c in enumerate(self.caches):
+            self.offsets[i] += 1
+            c.offset = self.offsets[i]
+        for i, c in enumerate(self.caches):
+            target = c.packed_end(self.offsets[i])
+            if target > self.q_end[i]:
+                self._pack(i, c, target)
+        self._segments = None
+
+    def _compact(self):
+        """Drop each sequence's full-precision rows older than its trim reserve (one
+        gather over the batch), growing the buffer if that frees no room."""
+        keep = [max(r, q - c.reserve) for r, q, c in zip(self.recent_start, self.q_end, self.caches)]
+        drop = [k - r for k, r in zip(keep, self.recent_start)]
+        cap = self.recent.shape[3]
+        need = max(o - k for o, k in zip(self.offsets, keep)) + 1
+        new_cap = max(cap, _round_up(need + RECENT_SPARE, self.caches[0].recent_step))
+        j = np.arange(new_cap)[None, :] + np.array(drop)[:, None]
+        idx = mx.array(np.minimum(j, cap - 1).astype(np.int32).reshape(1, len(drop), 1, new_cap, 1))
+        self.recent = mx.take_along_axis(self.recent, idx, axis=3)
+        self.recent_start = keep
+
+    def _pack(self, i: int, c, target: int):
+        """Quantize sequence ``i``'s rows ``[q_end, target)`` with its own statistics (the
+        cache's own quantize pass, over a view of the stacked window)."""
+        s = self.config.sink_tokens
+        a, b = self.q_end[i] - self.recent_start[i], target - self.recent_start[i]
+        qa, qb = self.q_end[i] - s, target - s
+        if qb > self.rows.shape[3]:
+            self.rows = _pad_rows(self.rows, _round_up(qb, ROWS_STEP))
+        c._kv_recent = self.recent[:, i : i + 1]
+        try:
+            block = c._quantize_rows(a, b)
+        finally:
+            c._kv_recent = None
+        self.rows[:, i : i + 1, :, qa:qb] = block
+        self.q_end[i] = c.q_end = target
+
+    # -- what attention reads -------------------------------------------------
+
+    def attention_segments(self):
+        """``(sink_k, sink_v, quant, recent_k, recent_v)`` over every sequence and the boolean
+        mask ``(B, 1, 1, T)`` (True: attend) that shows each its own rows: the sinks, its
+        packed rows before the q_end the step found, its full-precision rows from there
+        on (the rows a step packs are attended exactly, as one sequence alone does)."""
+        if self._segments is not None:
+            return self._segments
+        s, B = self.config.sink_tokens, len(self.caches)
+        start = self.attend_from if self.attend_from is not None else self.q_end
+        n_p = max(q - s for q in start)
+        a0 = min(q - r for q, r in zip(start, self.recent_start))
+        b0 = max(o - r for o, r in zip(self.offsets, self.recent_start))
+        sink_k, sink_v = (self.k.sink, self.v.sink) if s else (None, None)
+        quant = None
+        if n_p > 0:
+            codes, scales = split_rows(self.rows[:, :, :, :n_p], self.k.dim, self.k.bits, self.config.group_size)
+            (kc, vc), (ks, vs) = halves(codes), halves(scales)
+            quant = (kc, ks, vc, vs)
+            self._scales = scales
+        recent_k, recent_v = halves(self.recent[:, :, :, a0:b0])
+        cols = np.zeros((B, s + max(n_p, 0) + (b0 - a0)), bool)
+        cols[:, :s] = True
+        for i in range(B):
+            cols[i, s : s + start[i] - s] = True
+            lo, hi = start[i] - self.recent_start[i], self.offsets[i] - self.recent_start[i]
+            cols[i, s + n_p + lo - a0 : s + n_p + hi - a0] = True
+        self.offset = cols.shape[1]
+        mask = mx.array(cols.reshape(B, 1, 1, -1))
+        self._segments = ((sink_k, sink_v, quant, recent_k, recent_v), mask)
+        return self._segments
+
+    def release(self):
+        """Attention has read this step's segments."""
+        self.attend_from = self._segments = None
+
+    def packed_scales(self, n: int):
+        return self._scales[..., :n, :] if n > 0 else None
+
+
+def _pad_rows(x: mx.array, rows: int) -> mx.array:
+    """``x`` with zero rows appended on axis 3 up to ``rows``."""
+    n = x.shape[3]
+    if n == rows:
+        return x
+    return mx.pad(x, [(0, 0)] * 3 + [(0, rows - n), (0, 0)])
+
+
