@@ -66,7 +66,7 @@ class _SideView:
     def __init__(self, sides, sink):
         first = sides[0]
         self.bits, self.dim, self.head_dim = first.bits, first.dim, first.head_dim
-        self.signs, self.rotated, self.clip = first.signs, first.rotated, first.clip
+        self.signs, self.rotated = first.signs, first.rotated
         self.sink = sink
         self.mean = self._stack([s.mean for s in sides])
         self.lam = self._stack([s.lam for s in sides])
@@ -105,7 +105,7 @@ class StackedDecode:
     def stack(cls, caches) -> "StackedDecode":
         caches = list(caches)
         first = caches[0]
-        s, dtype = first.config.sink_tokens, first.dtype
+        s = first.config.sink_tokens
         _, H = first.batch_heads
         d = first.k.dim
         width = row_width(d, first.k.bits, first.config.group_size)
@@ -194,7 +194,7 @@ class StackedDecode:
     def update(self, keys: mx.array, values: mx.array):
         """Write one token per sequence (``(B, H, 1, d)`` keys and values) and pack the
         blocks that left the windows."""
-        cfg, B = self.config, len(self.caches)
+        B = len(self.caches)
         if keys.shape[2] != 1 or keys.shape[0] != B:
             raise ValueError(f"a stacked decode step takes one token per sequence, got {tuple(keys.shape)}")
         self.attend_from = list(self.q_end)
@@ -262,14 +262,14 @@ class StackedDecode:
         a0 = min(q - r for q, r in zip(start, self.recent_start))
         b0 = max(o - r for o, r in zip(self.offsets, self.recent_start))
         sink_k, sink_v = (self.k.sink, self.v.sink) if s else (None, None)
-        quant = None
+        quant = self._scales = None
         if n_p > 0:
             codes, scales = split_rows(self.rows[:, :, :, :n_p], self.k.dim, self.k.bits, self.config.group_size)
             (kc, vc), (ks, vs) = halves(codes), halves(scales)
             quant = (kc, ks, vc, vs)
             self._scales = scales
         recent_k, recent_v = halves(self.recent[:, :, :, a0:b0])
-        cols = np.zeros((B, s + max(n_p, 0) + (b0 - a0)), bool)
+        cols = np.zeros((B, s + n_p + (b0 - a0)), bool)
         cols[:, :s] = True
         for i in range(B):
             cols[i, s : s + start[i] - s] = True
