@@ -25,15 +25,17 @@ mlx-lm 0.32.2:
   (before mlx-lm would drop the loaded model or start a prefill), and turns
   SIGTERM into mlx-lm's own shutdown path (``KeyboardInterrupt``).
 
-The prompt cache (``LRUPromptCache``) holds the OIQ caches themselves: its
-copies are :func:`~oiq_mlx.batch_cache.detached_copy` (new handles on the same
-packed arrays), its byte accounting is ``OIQKVCache.nbytes``, and no
-dequantized float copy is kept.
+The prompt cache is mlx-lm's ``LRUPromptCache`` (:class:`OIQPromptCache`, which
+keeps the checkpoints of OIQ caches, see there).  It holds the OIQ caches
+themselves: its copies are :func:`~oiq_mlx.batch_cache.detached_copy` (new
+handles on the same packed arrays), its byte accounting is
+``OIQKVCache.nbytes``, and no dequantized float copy is kept.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import logging
 import os
@@ -50,6 +52,8 @@ from mlx_lm.models.cache import KVCache
 from . import distributed, models
 from .cli import add_oiq_options, config_from_args
 from .config import OIQConfig
+from .batch_cache import BatchOIQKVCache
+from .cache import OIQKVCache
 from .integration import make_oiq_cache
 from .models import resolve_model
 
@@ -138,6 +142,62 @@ class OIQModelProvider(_server.ModelProvider):
         return super().load(model_path, adapter_path, draft_model_path)
 
 
+def _oiq_caches(prompt_cache) -> list:
+    return [c for c in prompt_cache if isinstance(c, (OIQKVCache, BatchOIQKVCache))]
+
+
+def trim_is_exact(prompt_cache, n: int) -> bool:
+    """True when trimming ``n`` tokens leaves every OIQ cache of ``prompt_cache`` as it was
+    when it held that many tokens: the rows that were then full precision are still held
+    in full precision (at most the trim reserve deep)."""
+    for c in _oiq_caches(prompt_cache):
+        if isinstance(c, BatchOIQKVCache):
+            return False
+        offset = c.offset - n
+        if offset > c.config.sink_tokens and c.packed_end(offset) < c.recent_start:
+            return False
+    return True
+
+
+class OIQPromptCache(_server.LRUPromptCache):
+    """mlx-lm's prompt cache, keeping the segment checkpoints of OIQ caches.
+
+    The server saves a cache at the end of each prompt segment (a chat's system
+    prompt) and, when the sequence finishes, its whole cache.  mlx-lm then drops the
+    checkpoints that are prefixes of it whenever the caches can be trimmed, and
+    serves a later request that starts with that system prompt by trimming the
+    finished sequence back.  An OIQ cache trimmed deeper than its trim reserve is
+    not what it was at that length (rows packed since stay packed), so here the
+    checkpoints of OIQ caches are kept (counted in the byte budget as any entry),
+    and a longer entry is only trimmed when the trim is exact
+    (:func:`trim_is_exact`); otherwise a shorter entry serves the request.  A
+    request whose prompt starts with a checkpoint's tokens then continues from
+    exactly the state a fresh prompt of the same segments reaches there.  Checked
+    against mlx-lm 0.32.2 (``LRUPromptCache.insert_cache`` / ``fetch_nearest_cache``).
+    """
+
+    def insert_cache(self, model, tokens, prompt_cache, *, cache_type: str = "assistant"):
+        if not _oiq_caches(prompt_cache):
+            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        trie = self._trie
+        trie.pop_prefixes = lambda *args, **kwargs: []  # keep the checkpoints (see above)
+        try:
+            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        finally:
+            del trie.pop_prefixes
+
+    def fetch_nearest_cache(self, model, tokens):
+        found = self._trie.search(model, tokens)
+        if found.exact is None and found.longer is not None and found.shorter is not None \
+                and found.common_prefix > len(found.shorter):
+            longer = self._trie.get(found.model, found.longer).prompt_cache
+            prefix = min(len(tokens) - 1, found.common_prefix)
+            if _oiq_caches(longer) and not trim_is_exact(longer, len(found.longer) - prefix):
+                shorter = self._trie.get(found.model, found.shorter)
+                return copy.deepcopy(shorter.prompt_cache), tokens[len(found.shorter):]
+        return super().fetch_nearest_cache(model, tokens)
+
+
 def context_length(model) -> int | None:
     value = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     return int(value) if value else None
@@ -178,7 +238,7 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
             logging.getLogger().setLevel(logging.WARNING)
         logging.info("oiq_mlx: %s, for one sequence of %d tokens",
                      distributed.format_kv_bytes(report, provider.model.oiq_layout), KV_PROBE_TOKENS)
-    prompt_cache = _server.LRUPromptCache(provider.cli_args.prompt_cache_size)
+    prompt_cache = OIQPromptCache(provider.cli_args.prompt_cache_size)
     generator = OIQResponseGenerator(provider, prompt_cache)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if group.rank() == 0:

@@ -325,3 +325,32 @@ def test_stacked_step_launches_as_much_work_for_eight_sequences_as_for_one():
 
     one, eight = step_count(1), step_count(8)
     assert one == eight, (one, eight)
+
+
+def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
+    """oiq-server's prompt cache: a checkpoint that is a prefix of a finished sequence is
+    kept (mlx-lm drops it for trimmable caches) and serves a request that would otherwise
+    need the finished sequence trimmed deeper than the trim reserve; a trim within the
+    reserve still reuses the longer entry."""
+    from oiq_mlx.server import OIQPromptCache, trim_is_exact
+
+    def cache_of(n, seed=3):
+        c = OIQKVCache(CFG)
+        for j in range(n):  # one token per call, as a checkpoint and its continuation are made
+            c.update_and_fetch(*_kv(seed * 1000 + j, 1))
+            c.release_fresh()
+        return [c]
+
+    checkpoint, finished = cache_of(30), cache_of(60)
+    assert trim_is_exact(finished, 2) and not trim_is_exact(finished, 30)
+    lru = OIQPromptCache(max_size=8)
+    lru.insert_cache("m", list(range(30)), checkpoint, cache_type="system")
+    lru.insert_cache("m", list(range(60)), finished)
+    assert len(lru) == 2
+    # shares 35 tokens with the finished sequence (a trim of 25): the checkpoint serves it
+    got, rest = lru.fetch_nearest_cache("m", list(range(35)) + [999])
+    assert got[0].offset == 30 and rest == [30, 31, 32, 33, 34, 999]
+    _assert_same_storage(checkpoint[0], got[0])
+    # shares 58 (a trim of 2, within the reserve): the finished sequence serves it
+    got, rest = lru.fetch_nearest_cache("m", list(range(58)) + [999])
+    assert got[0].offset == 58 and rest == [999]

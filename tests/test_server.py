@@ -9,6 +9,7 @@ import json
 import socket
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -149,3 +150,31 @@ def test_bad_server_options_fail_before_serving(capsys):
     assert "--kv-bits selects mlx-lm's own quantized cache; add --no-oiq" in capsys.readouterr().err
     assert server_main(["--preset", "9bit"]) == 2
     assert "unknown OIQ preset '9bit'" in capsys.readouterr().err
+
+
+def _chat_tokens(port, messages, max_tokens=MAX_TOKENS):
+    status, body = request(port, "POST", "/v1/chat/completions", {
+        "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "logprobs": True})
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    return ([(t["id"], t["logprob"]) for t in content],
+            body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0))
+
+
+def test_system_prompt_reuse_gives_what_a_fresh_server_gives(server_4bit, tmp_path):
+    """A chat that shares its system prompt with an earlier, finished one continues from the
+    checkpoint saved at the end of that segment: the state a fresh server reaches there, hence
+    the same greedy tokens with the same log-probabilities (mlx-lm would trim the finished
+    chat back, deeper than the OIQ trim reserve: close, not the same)."""
+    system = {"role": "system", "content": "You are a lighthouse keeper. " + _prompt(60, start=3)}
+    first = [system, {"role": "user", "content": "Where do the boats go at night? " + _prompt(20, start=9)}]
+    second = [system, {"role": "user", "content": "What did the captain say?"}]
+    with ServerProcess(["--preset", "4bit", "--window", "16", "--max-tokens", "64"],
+                       log_path=tmp_path / "fresh.log") as fresh:
+        want, cached = _chat_tokens(fresh.port, second)
+        assert cached == 0
+    _chat_tokens(server_4bit.port, first, max_tokens=24)
+    got, cached = _chat_tokens(server_4bit.port, second)
+    assert cached > 60  # the system prompt came from the checkpoint
+    assert [t for t, _ in got] == [t for t, _ in want]
+    np.testing.assert_allclose([p for _, p in got], [p for _, p in want], rtol=0, atol=1e-6)
