@@ -186,6 +186,17 @@ class BatchOIQKVCache(_BaseCache):
             raise ValueError(f"cannot extend a BatchOIQKVCache with {type(other).__name__}")
         if (self._remaining is None) != (other._remaining is None):
             raise ValueError("cannot extend a batch in the middle of a padded prompt with one that is not")
+        if self.stacked is not None and other._remaining is None:
+            from .stacked import StackedDecode, stackable
+
+            # sequences joining a decoding batch are appended to its stacked storage
+            if other.stacked is None and stackable(other.caches):
+                other.stacked = StackedDecode.stack(other.caches)
+            if other.stacked is not None and self.stacked.fits(other.stacked):
+                self.stacked.extend(other.stacked)
+                other.stacked = None
+                self.caches += other.caches
+                return
         self.unstack()
         other.unstack()
         self.caches += other.caches

@@ -173,6 +173,29 @@ class StackedDecode:
             self.attend_from = [self.attend_from[i] for i in keep]
         self._views()
 
+    def fits(self, other: "StackedDecode") -> bool:
+        """True when ``other``'s sequences can join this stacked batch (one layer, config,
+        dtype and head shape)."""
+        a, b = self.caches[0], other.caches[0]
+        return (a.config == b.config and a.layer_idx == b.layer_idx and self.dtype == other.dtype
+                and self.sinks.shape[2:] == other.sinks.shape[2:] and self.rows.shape[4] == other.rows.shape[4])
+
+    def extend(self, other: "StackedDecode"):
+        """Append the sequences of ``other`` (one copy of each buffer, padded to the larger
+        capacity)."""
+        if self.attend_from is not None or other.attend_from is not None:
+            raise ValueError("cannot extend a stacked batch between a write and its attention")
+        r_cap = max(self.recent.shape[3], other.recent.shape[3])
+        p_cap = max(self.rows.shape[3], other.rows.shape[3])
+        self.sinks = mx.concatenate([self.sinks, other.sinks], axis=1)
+        self.recent = mx.concatenate([_pad_rows(self.recent, r_cap), _pad_rows(other.recent, r_cap)], axis=1)
+        self.rows = mx.concatenate([_pad_rows(self.rows, p_cap), _pad_rows(other.rows, p_cap)], axis=1)
+        for name in ("caches", "offsets", "q_end", "recent_start"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        other.caches = []
+        other.sinks = other.recent = other.rows = None
+        self._views()
+
     def _views(self):
         sk, sv = halves(self.sinks)
         self.k = _SideView([c.k for c in self.caches], sk)

@@ -354,3 +354,23 @@ def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
     # shares 58 (a trim of 2, within the reserve): the finished sequence serves it
     got, rest = lru.fetch_nearest_cache("m", list(range(58)) + [999])
     assert got[0].offset == 58 and rest == [999]
+
+
+def test_sequences_joining_a_stacked_batch_are_appended_to_it():
+    """extend of a decoding (stacked) batch with newly prefilled sequences appends them to the
+    stacked storage; every sequence still stores and attends what it would alone."""
+    alone, joined = [], []
+    for i, n in enumerate((12, 50, 33, 140)):
+        for group in (alone, joined):
+            c = OIQKVCache(CFG)
+            c.update_and_fetch(*_kv(i, n))
+            c.release_fresh()
+            group.append(c)
+    batch = OIQKVCache.merge(joined[:2])
+    _decode_side_by_side(batch, alone[:2], 20, seed=500)
+    stacked = batch.stacked
+    batch.extend(OIQKVCache.merge(joined[2:]))
+    assert batch.stacked is stacked and batch.offset.tolist() == [c.offset for c in alone]
+    _decode_side_by_side(batch, alone, 40, seed=600)
+    for i, a in enumerate(alone):
+        _assert_same_storage(a, batch.extract(i))
