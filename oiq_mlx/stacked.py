@@ -18,7 +18,7 @@ sequences whose window just filled (one quantize pass each, once per ``flush_blo
 steps of a sequence), and attends all sequences in one pass over the stacked
 arrays: the same reference path and decode kernels as one sequence
 (:func:`oiq_mlx.attention.reference_output`, :func:`~oiq_mlx.attention.decode_attention_kernel`),
-with a boolean mask that shows each sequence only its own rows.  Each sequence keeps
+with a mask that shows each sequence only its own rows.  Each sequence keeps
 its own positions, statistics, sinks and packing phase, so it stores and attends to
 exactly the rows it would alone (the values are bit-identical; sums over the padded
 columns may round differently).  :meth:`StackedDecode.unstack` gives every sequence
@@ -200,6 +200,8 @@ class StackedDecode:
         sk, sv = halves(self.sinks)
         self.k = _SideView([c.k for c in self.caches], sk)
         self.v = _SideView([c.v for c in self.caches], sv)
+        # the stacked statistics are built once per batch membership, not in every step's graph
+        mx.eval([x for side in (self.k, self.v) for x in (side.mean, side.lam) if x is not None])
         self._segments = None
 
     @property
@@ -273,8 +275,8 @@ class StackedDecode:
     # -- what attention reads -------------------------------------------------
 
     def attention_segments(self):
-        """``(sink_k, sink_v, quant, recent_k, recent_v)`` over every sequence and the boolean
-        mask ``(B, 1, 1, T)`` (True: attend) that shows each its own rows: the sinks, its
+        """``(sink_k, sink_v, quant, recent_k, recent_v)`` over every sequence and the additive
+        mask ``(B, 1, 1, T)`` (0: attend, -inf: not) that shows each its own rows: the sinks, its
         packed rows before the q_end the step found, its full-precision rows from there
         on (the rows a step packs are attended exactly, as one sequence alone does)."""
         if self._segments is not None:
@@ -292,12 +294,13 @@ class StackedDecode:
             quant = (kc, ks, vc, vs)
             self._scales = scales
         recent_k, recent_v = halves(self.recent[:, :, :, a0:b0])
-        cols = np.zeros((B, s + n_p + (b0 - a0)), bool)
-        cols[:, :s] = True
+        # additive float32 (0: attend, -inf: not), the dtype the decode kernel reads: no conversion
+        cols = np.full((B, s + n_p + (b0 - a0)), -np.inf, np.float32)
+        cols[:, :s] = 0.0
         for i in range(B):
-            cols[i, s : s + start[i] - s] = True
+            cols[i, s : s + start[i] - s] = 0.0
             lo, hi = start[i] - self.recent_start[i], self.offsets[i] - self.recent_start[i]
-            cols[i, s + n_p + lo - a0 : s + n_p + hi - a0] = True
+            cols[i, s + n_p + lo - a0 : s + n_p + hi - a0] = 0.0
         self.offset = cols.shape[1]
         mask = mx.array(cols.reshape(B, 1, 1, -1))
         self._segments = ((sink_k, sink_v, quant, recent_k, recent_v), mask)

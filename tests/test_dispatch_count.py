@@ -88,3 +88,45 @@ def test_metal_path_dispatches(preset, dtype):
         assert n <= 6, g
     assert sum(1 for g in r["breakdowns"] if g.get("Full")) >= 2, "no step grew or compacted a buffer"
     assert r["per_step"].count(6) >= 32 and r["mean"] <= 4.3, r["per_step"]
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "metal"])
+def test_stacked_batch_step_dispatches_do_not_grow_with_the_batch(kernels):
+    """One decode step of a batch over stacked storage (oiq_mlx.stacked) launches as much for
+    eight sequences of different lengths as for one; on the Metal path (traced, unverified on
+    hardware) that is the centering, the window write, the attention and merge kernels."""
+    from oiq_mlx.attention import oiq_batch_attention
+
+    cfg = OIQConfig.preset("4bit")
+    H, d = 2, 64
+
+    def steady(n_seq):
+        caches = []
+        for i in range(n_seq):
+            c = OIQKVCache(cfg)
+            kv = mx.random.normal((2, 1, H, 300 + 37 * i, d), key=mx.random.key(i))
+            c.update_and_fetch(kv[0], kv[1])
+            c.release_fresh()
+            caches.append(c)
+        batch = OIQKVCache.merge(caches)
+        counts = []
+        for t in range(20):
+            kv = mx.random.normal((2, n_seq, H, 1, d), key=mx.random.key(100 + t))
+            k_new, v_new = kv[0], kv[1]
+            q = mx.random.normal((n_seq, 2 * H, 1, d), key=mx.random.key(200 + t))
+            mx.eval(k_new, v_new, q)
+
+            def append():
+                fetched = batch.update_and_fetch(k_new, v_new)
+                return fetched, [a for a in batch.state if isinstance(a, mx.array)]
+
+            total, _ = trace.step_dispatches(append, lambda f: oiq_batch_attention(q, batch, scale=0.125),
+                                             kernels=kernels)
+            counts.append(total)
+        assert batch.stacked is not None
+        return min(counts)
+
+    one, eight = steady(1), steady(8)
+    assert one == eight, (one, eight)
+    if kernels:
+        assert eight == 4, eight  # centering, window write, attention and merge kernels
