@@ -176,7 +176,10 @@ class BatchOIQKVCache(_BaseCache):
         if isinstance(batch_indices, mx.array):
             batch_indices = batch_indices.tolist()
         if self.stacked is not None:
-            self.stacked.filter(batch_indices)
+            if batch_indices:
+                self.stacked.filter(batch_indices)
+            else:
+                self.stacked = None  # no sequence left: nothing to give back
         self.caches = [self.caches[int(i)] for i in batch_indices]
         if self._remaining is not None:
             self._remaining = [self._remaining[int(i)] for i in batch_indices]

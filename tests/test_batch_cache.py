@@ -277,9 +277,21 @@ def test_stacked_decode_equals_each_sequence_alone(cfg):
     _decode_side_by_side(batch, alone, 290, seed=2000, cfg=cfg)  # the 300-token one's buffer grows
     mid = batch.extract(1)
     assert batch.stacked is not None
+    emptied = copy.deepcopy(batch)
+    emptied.update_and_fetch(*(mx.zeros((3, H, 1, D)),) * 2)
+    emptied.filter([])
+    assert emptied.stacked is None and emptied.caches == [] and emptied.nbytes == 0
     _assert_same_storage(alone[1], mid)
     _decode_side_by_side(batch, alone, 5, seed=3000, cfg=cfg)
     assert mid.offset == alone[1].offset - 5  # later steps do not reach an extracted cache
+    # trim gives the storage back and trims each sequence as it would trim alone
+    batch.trim(3)
+    for c in alone:
+        c.trim(3)
+    assert batch.stacked is None
+    for a, b in zip(alone, batch.caches):
+        _assert_same_storage(a, b)
+    _decode_side_by_side(batch, alone, 4, seed=4000, cfg=cfg)
     # a prompt chunk gives the storage back to the sequences' caches
     n = 3
     batch.update_and_fetch(*(mx.concatenate([_kv(9000 + i, n)[j] for i in range(3)]) for j in (0, 1)))
