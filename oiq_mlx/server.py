@@ -2,7 +2,7 @@
 
 HTTP (``/v1/chat/completions``, ``/v1/completions``, streaming), continuous
 batching, the prompt cache, every flag and default are ``mlx_lm.server``'s
-own.  oiq_mlx supplies caches and models through three hooks, checked against
+own.  oiq_mlx supplies caches and models through these hooks, checked against
 mlx-lm 0.32.2:
 
 * each loaded model gets a ``make_cache`` returning OIQ caches.
@@ -25,9 +25,10 @@ mlx-lm 0.32.2:
   (before mlx-lm would drop the loaded model or start a prefill), and turns
   SIGTERM into mlx-lm's own shutdown path (``KeyboardInterrupt``).
 
-The prompt cache is mlx-lm's ``LRUPromptCache`` (:class:`OIQPromptCache`, which
-keeps the checkpoints of OIQ caches, see there).  It holds the OIQ caches
-themselves: its copies are :func:`~oiq_mlx.batch_cache.detached_copy` (new
+* the prompt cache is :class:`OIQPromptCache`, mlx-lm's ``LRUPromptCache``
+  keeping the segment checkpoints of OIQ caches and trimming them only exactly.
+
+The prompt cache holds the OIQ caches themselves: its copies are :func:`~oiq_mlx.batch_cache.detached_copy` (new
 handles on the same packed arrays), its byte accounting is
 ``OIQKVCache.nbytes``, and no dequantized float copy is kept.
 """
