@@ -23,14 +23,14 @@ mlx-lm 0.32.2:
   :class:`OIQModelProvider` and :class:`OIQResponseGenerator`, which reject
   an unknown model name and a prompt past the model's context with a message
   (before mlx-lm would drop the loaded model or start a prefill), and turns
-  SIGTERM into mlx-lm's own shutdown path (``KeyboardInterrupt``).
-
+  SIGTERM into mlx-lm's own shutdown path (``KeyboardInterrupt``);
 * the prompt cache is :class:`OIQPromptCache`, mlx-lm's ``LRUPromptCache``
   keeping the segment checkpoints of OIQ caches and trimming them only exactly.
 
-The prompt cache holds the OIQ caches themselves: its copies are :func:`~oiq_mlx.batch_cache.detached_copy` (new
-handles on the same packed arrays), its byte accounting is
-``OIQKVCache.nbytes``, and no dequantized float copy is kept.
+The prompt cache holds the OIQ caches themselves: its copies are
+:func:`~oiq_mlx.batch_cache.detached_copy` (new handles on the same packed
+arrays), its byte accounting is ``OIQKVCache.nbytes``, and no dequantized
+float copy is kept.
 """
 
 from __future__ import annotations
