@@ -36,6 +36,26 @@ from .codec import row_width, split_rows
 # spare rows the stacked buffers are allocated with, so that growing is rare
 RECENT_SPARE = 32
 ROWS_STEP = 256
+# what each sequence has its own entry of, in batch order
+PER_SEQUENCE = ("caches", "offsets", "q_end", "recent_start")
+
+
+class _HostMemo:
+    """The last array built on the host for a key.  Every layer of a batch's step builds
+    the same write index and the same mask from the same positions: the first layer
+    builds and uploads it, the others reuse it."""
+
+    def __init__(self):
+        self.key = self.value = None
+
+    def get(self, key, build):
+        if key != self.key:
+            self.key, self.value = key, build()
+        return self.value
+
+
+_INDEX = _HostMemo()
+_MASK = _HostMemo()
 
 
 def _round_up(n: int, step: int) -> int:
@@ -167,7 +187,7 @@ class StackedDecode:
         keep = [int(i) for i in keep]
         idx = mx.array(np.array(keep, np.int32))
         self.sinks, self.recent, self.rows = (mx.take(x, idx, axis=1) for x in (self.sinks, self.recent, self.rows))
-        for name in ("caches", "offsets", "q_end", "recent_start"):
+        for name in PER_SEQUENCE:
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         if self.attend_from is not None:
             self.attend_from = [self.attend_from[i] for i in keep]
@@ -190,7 +210,7 @@ class StackedDecode:
         self.sinks = mx.concatenate([self.sinks, other.sinks], axis=1)
         self.recent = mx.concatenate([_pad_rows(self.recent, r_cap), _pad_rows(other.recent, r_cap)], axis=1)
         self.rows = mx.concatenate([_pad_rows(self.rows, p_cap), _pad_rows(other.rows, p_cap)], axis=1)
-        for name in ("caches", "offsets", "q_end", "recent_start"):
+        for name in PER_SEQUENCE:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         other.caches = []
         other.sinks = other.recent = other.rows = None
@@ -232,13 +252,11 @@ class StackedDecode:
         k, v = pad_last(keys, d), pad_last(values, d)
         both = _center_pair(self.dtype)(k[None], v[None], _ZERO if km is None else km,
                                         _ZERO if vm is None else vm, _SELECT_FIRST)
-        idx = mx.array(np.array(pos, np.int32).reshape(1, B, 1, 1, 1))
+        idx = _INDEX.get(tuple(pos), lambda: mx.array(np.array(pos, np.int32).reshape(1, B, 1, 1, 1)))
         self.recent = mx.put_along_axis(self.recent, idx, both, axis=3)
         for i, c in enumerate(self.caches):
-            self.offsets[i] += 1
-            c.offset = self.offsets[i]
-        for i, c in enumerate(self.caches):
-            target = c.packed_end(self.offsets[i])
+            self.offsets[i] = c.offset = self.offsets[i] + 1
+            target = c.packed_end(c.offset)
             if target > self.q_end[i]:
                 self._pack(i, c, target)
         self._segments = None
@@ -281,7 +299,7 @@ class StackedDecode:
         on (the rows a step packs are attended exactly, as one sequence alone does)."""
         if self._segments is not None:
             return self._segments
-        s, B = self.config.sink_tokens, len(self.caches)
+        s = self.config.sink_tokens
         start = self.attend_from if self.attend_from is not None else self.q_end
         n_p = max(q - s for q in start)
         a0 = min(q - r for q, r in zip(start, self.recent_start))
@@ -295,16 +313,21 @@ class StackedDecode:
             self._scales = scales
         recent_k, recent_v = halves(self.recent[:, :, :, a0:b0])
         # additive float32 (0: attend, -inf: not), the dtype the decode kernel reads: no conversion
+        key = (s, n_p, a0, b0, tuple(start), tuple(self.recent_start), tuple(self.offsets))
+        mask = _MASK.get(key, lambda: self._mask(s, n_p, a0, b0, start))
+        self.offset = mask.shape[-1]
+        self._segments = ((sink_k, sink_v, quant, recent_k, recent_v), mask)
+        return self._segments
+
+    def _mask(self, s: int, n_p: int, a0: int, b0: int, start):
+        B = len(self.caches)
         cols = np.full((B, s + n_p + (b0 - a0)), -np.inf, np.float32)
         cols[:, :s] = 0.0
         for i in range(B):
             cols[i, s : s + start[i] - s] = 0.0
             lo, hi = start[i] - self.recent_start[i], self.offsets[i] - self.recent_start[i]
             cols[i, s + n_p + lo - a0 : s + n_p + hi - a0] = 0.0
-        self.offset = cols.shape[1]
-        mask = mx.array(cols.reshape(B, 1, 1, -1))
-        self._segments = ((sink_k, sink_v, quant, recent_k, recent_v), mask)
-        return self._segments
+        return mx.array(cols.reshape(B, 1, 1, -1))
 
     def release(self):
         """Attention has read this step's segments."""
