@@ -339,6 +339,38 @@ def test_stacked_step_launches_as_much_work_for_eight_sequences_as_for_one():
     assert one == eight, (one, eight)
 
 
+def test_a_stacked_step_builds_its_mask_and_index_once_for_all_layers(monkeypatch):
+    """Every layer of a step has the same positions: the host-built mask and write index
+    are built by the first layer and reused by the others, and a new step builds new ones."""
+    from oiq_mlx import stacked
+
+    model = tiny_llama()
+    n_layers = len(model.layers)
+    assert n_layers > 1
+    gen = BatchGenerator(model, max_tokens=6)
+    gen.insert(_prompts(), caches=[make_oiq_cache(model, CFG) for _ in PROMPT_LENGTHS])
+    for _ in range(2):
+        gen.next_generated()  # the prompts, then the first stacked steps
+    builds = {"mask": 0, "index": 0}
+    real_mask, real_get = stacked.StackedDecode._mask, stacked._INDEX.get
+
+    def counting_mask(self, *args):
+        builds["mask"] += 1
+        return real_mask(self, *args)
+
+    def counting_index(key, build):
+        return real_get(key, lambda: (builds.__setitem__("index", builds["index"] + 1), build())[1])
+
+    monkeypatch.setattr(stacked.StackedDecode, "_mask", counting_mask)
+    monkeypatch.setattr(stacked._INDEX, "get", counting_index)
+    batch = gen._generation_batch.prompt_cache
+    assert all(layer.stacked is not None for layer in batch)
+    for step in range(1, 3):
+        gen.next_generated()
+        assert builds == {"mask": step, "index": step}, (step, builds)
+    gen.close()
+
+
 def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
     """oiq-server's prompt cache: a checkpoint that is a prefix of a finished sequence is
     kept (mlx-lm drops it for trimmable caches) and serves a request that would otherwise
