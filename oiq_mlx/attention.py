@@ -103,6 +103,7 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
     if cache.offset == 0:
         raise ValueError(f"{L} queries have no key to attend to: the cache holds 0 tokens")
     segments = cache.attention_segments()
+    mask = cache.positional_mask(mask, L)
     cache.release_fresh()
     fused = decode_attention_kernel(cache, queries, scale, mask, sinks, segments=segments, out_dtype=queries.dtype)
     if fused is not None:
@@ -176,7 +177,8 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
             or not dispatch.codec_shape_ok(v.dim, v.bits, cfg.group_size):
         return None
     n_kv = k.sink.shape[1]
-    if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, cache.offset)):
+    segments = cache.attention_segments() if segments is None else segments
+    if n_q % n_kv or not _mask_ok(mask, (B, n_q, L, _columns(segments))):
         return None
     if isinstance(mask, str) and L > 1 and cache.offset < L:
         return None
@@ -191,11 +193,17 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
         shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
         sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
     return decode_attention(
-        q, scale=scale, segments=cache.attention_segments() if segments is None else segments,
+        q, scale=scale, segments=segments,
         k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
         k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
         v_signs=v.signs if v.rotated else None, out_dtype=out_dtype,
     )
+
+
+def _columns(segments) -> int:
+    """Key columns of ``segments`` (sinks, packed, full precision), the mask's last axis."""
+    sink_k, _, quant, recent_k, _ = segments
+    return sum(x.shape[2] for x in (sink_k, None if quant is None else quant[0], recent_k) if x is not None)
 
 
 def _gqa_mask(mask, n_kv: int, rep: int, L: int, T: int):

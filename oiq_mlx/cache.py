@@ -352,9 +352,10 @@ class OIQKVCache(_BaseCache):
         elementwise pass) when their widths agree, else None."""
         k, v = self.k, self.v
         keys, values = pad_last(keys, k.dim), pad_last(values, v.dim)
-        for side, x in ((k, keys), (v, values)):
-            if side.needs_statistics:
-                side.estimate(x, skip)
+        if not self.config.positional:
+            for side, x in ((k, keys), (v, values)):
+                if side.needs_statistics:
+                    side.estimate(x, skip)
         if k.dim == v.dim:
             both = _center_pair(self.dtype)(keys[None], values[None], _ZERO if k.mean is None else k.mean,
                                             _ZERO if v.mean is None else v.mean, _SELECT_FIRST)
@@ -412,6 +413,13 @@ class OIQKVCache(_BaseCache):
         return cfg.sink_tokens + max(0, offset - cfg.sink_tokens - cfg.window) // block * block
 
     @property
+    def statistics_end(self) -> int:
+        """The smallest offset at which anything is packed.  With ``positional``, the mean
+        and key scales are estimated then, on the rows from the sinks up to it."""
+        cfg = self.config
+        return max(cfg.quantize_after + 1, cfg.sink_tokens + cfg.window + self.block)
+
+    @property
     def block(self) -> int:
         return max(1, min(self.flush_block, self.config.window))
 
@@ -434,6 +442,8 @@ class OIQKVCache(_BaseCache):
             self._grow_before_packing(bh)
             return
         s = self.config.sink_tokens
+        if self.config.positional and (self.k.needs_statistics or self.v.needs_statistics):
+            self._estimate_positional()
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - s, target - s
         self._packed_room(qa, qb, bh)
@@ -453,6 +463,54 @@ class OIQKVCache(_BaseCache):
         self._views = None
         self.q_end = target
         self._drop_dead(bh)
+
+    def _estimate_positional(self):
+        """``positional``: before the first block is packed, estimate the statistics on the
+        rows from the sinks up to :attr:`statistics_end` (all still held in full precision)
+        and center every full-precision row held, as if they had been centered when written."""
+        s = self.config.sink_tokens
+        lo, hi = max(s, self.recent_start) - self.recent_start, self.statistics_end - self.recent_start
+        for side in (self.k, self.v):
+            if side.needs_statistics:
+                side.estimate(side.recent[:, :, lo:hi], 0)
+        self._stacked = None
+        self._shift_held(center=True)
+
+    def _shift_held(self, center: bool):
+        """Subtract (``center``) or add back the sides' means from every full-precision row
+        held: the sinks, the window buffer and the rows a call holds aside.  Centering goes
+        through the same pass as rows written after the statistics exist, so a row stores
+        the same value whichever came first."""
+        k, v = self.k, self.v
+        if k.mean is None and v.mean is None:
+            return
+        mk, mv = (_ZERO if side.mean is None else side.mean for side in (k, v))
+
+        def shift(x, m):
+            if center:
+                return _center_one(self.dtype)(x, m)
+            return (x.astype(mx.float32) + m).astype(self.dtype)
+
+        k.sink, v.sink = shift(k.sink, mk), shift(v.sink, mv)
+        if self._kv_recent is not None:
+            if center:
+                self._kv_recent = _center_pair(self.dtype)(self._kv_recent[0:1], self._kv_recent[1:2], mk, mv,
+                                                           _SELECT_FIRST)
+            else:
+                self._kv_recent = mx.stack([shift(x, m) for x, m in zip(halves(self._kv_recent), (mk, mv))])
+            k.recent, v.recent = halves(self._kv_recent)
+        elif k.recent is not None:
+            k.recent, v.recent = shift(k.recent, mk), shift(v.recent, mv)
+        if self._fresh is not None:
+            self._fresh = (shift(self._fresh[0], mk), shift(self._fresh[1], mv))
+
+    def _reset_statistics(self):
+        """``positional``: nothing is packed any more, so the statistics, estimated on rows
+        that may since have been trimmed away, are estimated again when a block is next packed."""
+        self._shift_held(center=False)
+        for side in (self.k, self.v):
+            side.mean = side.lam = None
+        self._stacked = None
 
     def _drop_dead(self, bh):
         """Drop the full-precision rows older than the reserve (and than what the current
@@ -580,16 +638,50 @@ class OIQKVCache(_BaseCache):
         """
         segs = self.segments()
         start = self._attend_from
-        if start is None or start >= self.q_end:
+        if start is None or start >= self.q_end or (self.config.positional and self._call_tokens == 1):
+            # positional: a decode step reads what the cache holds after its write
             return segs
         sink_k, sink_v, quant, _, _ = segs
         n_q = start - self.config.sink_tokens  # sinks are stored exactly already
-        if quant is not None:
+        if quant is not None and not self.config.positional:
             quant = tuple(x[:, :, :n_q] for x in quant) if n_q > 0 else None
         if self._fresh is not None:
             return sink_k, sink_v, quant, *self._fresh
         a, b = start - self.recent_start, self.offset - self.recent_start
         return sink_k, sink_v, quant, self.k.recent[:, :, a:b], self.v.recent[:, :, a:b]
+
+    def positional_mask(self, mask, L: int):
+        """The mask of the current call over :meth:`attention_segments`' columns.
+
+        Unchanged (``mask``) unless the cache is ``positional`` and this call of ``L``
+        tokens packed rows its queries attend: then its segments hold those rows twice,
+        packed and in full precision, and query ``p`` sees a row packed when it had left
+        the window by the time ``p`` was written (``packed_end(p + 1)``), in full precision
+        otherwise, and no row past ``p``.  Returns a bool ``(B', 1 or n_q, L, T)`` array
+        that also applies ``mask`` (None, ``"causal"``, or an array over the ``offset``
+        positions, bool or additive).
+        """
+        start = self._attend_from
+        if not self.config.positional or L < 2 or start is None or start >= self.q_end:
+            return mask
+        cfg, offset = self.config, self.offset
+        s = cfg.sink_tokens
+        cols = np.concatenate([np.arange(min(s, offset)), np.arange(s, self.q_end), np.arange(start, offset)])
+        # query j sits at the call's j-th position (a batch's padding queries come after them)
+        p = np.arange(offset - self._call_tokens, offset - self._call_tokens + L)[:, None]
+        n = p + 1  # the cache held n tokens right after p was written: packed_end(n)
+        packed_to = np.where(n <= cfg.quantize_after, s, s + np.maximum(0, n - s - cfg.window) // self.block * self.block)
+        n_sink, n_packed = min(s, offset), self.q_end - s
+        kind = np.concatenate([np.zeros(n_sink, np.int8), np.ones(n_packed, np.int8),
+                               np.full(offset - start, 2, np.int8)])[None, :]
+        seen = np.where(kind == 1, cols < packed_to, (cols <= p) & ((kind == 0) | (cols >= packed_to)))
+        out = mx.array(seen.reshape(1, 1, L, -1))
+        if mask is None or isinstance(mask, str):
+            return out  # "causal" is part of what each query sees
+        given = mx.take(mask, mx.array(cols.astype(np.int32)), axis=-1)
+        if given.dtype == mx.bool_:
+            return mx.logical_and(out, given)
+        return mx.where(out, given.astype(mx.float32), -mx.inf)
 
     def release_fresh(self):
         """Attention has read this call's segments: later reads see the packed rows, and
@@ -660,6 +752,8 @@ class OIQKVCache(_BaseCache):
         wanted = self.packed_end(self.offset)
         # quantized tokens still held in full precision return to the window
         self.q_end = max(cfg.sink_tokens, min(self.q_end, self.offset, max(wanted, self.recent_start)))
+        if cfg.positional and self.q_end == cfg.sink_tokens and self.dtype is not None:
+            self._reset_statistics()
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
@@ -957,9 +1051,16 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
                 if a is not None:
                     raise _refuse(f"{side} {name}", "is present but the config does not use it")
                 continue
+            if cfg.positional and not n_q:
+                # positional statistics are estimated when the first block is packed
+                if a is not None:
+                    raise _refuse(f"{side} {name}", "is present but nothing is packed yet (positional=true "
+                                                    "estimates it when the first block is packed)")
+                continue
             if a is None:
                 if offset > 0:
-                    raise _refuse(f"{side} {name}", "is missing (the config uses it and the cache holds tokens)")
+                    what = "something is packed" if cfg.positional else "the cache holds tokens"
+                    raise _refuse(f"{side} {name}", f"is missing (the config uses it and {what})")
                 continue
             check(name, a, mx.float32, (*bh, 1, dim))
             if not mx.all(mx.isfinite(a)).item():

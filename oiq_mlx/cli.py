@@ -128,6 +128,11 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
                         "--k-bits/--v-bits); 'auto' (oiq-generate only) chooses them on the prompt by "
                         "attention error, within the config's bytes per token or BUDGET bytes per token "
                         "per KV head")
+    o.add_argument("--positional", action=argparse.BooleanOptionalAction, default=None,
+                   help="each query attends what the cache held right after its own token was written, "
+                        "so results do not depend on how tokens were split into calls and a prompt cache "
+                        "reuses prefixes exactly (default: on in oiq-server, off in oiq-generate, where a "
+                        "prompt is attended in full precision within each call)")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
 
 
@@ -178,6 +183,7 @@ _OIQ_FIELDS = {
     "center_values": "center_values",
     "key_scaling": "key_scaling",
     "layer_bits": "layer_bits",
+    "positional": "positional",
 }
 
 

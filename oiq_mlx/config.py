@@ -113,6 +113,19 @@ class OIQConfig:
         trim_reserve: full-precision copies of this many tokens beyond the
             window are kept so that ``trim`` (speculative decoding) restores
             the exact never-generated state.
+        positional: what each query attends to depends on its position alone.  A
+            query reads every row as the cache holds it right after that query's own
+            token was written: rows that have left the window by then packed, the rest
+            in full precision, and the statistics (mean, key scales) come from the
+            rows between the sinks and the first packed block, estimated when that
+            block is packed.  What a sequence stores and attends to is then the same
+            however its tokens were split into calls (one prompt, chunks, one token
+            per call), so a prompt cache can reuse any exactly trimmable prefix and
+            get what a fresh cache gets (``oiq-server`` turns it on).  Off (the
+            default), a call attends the window it found and its own rows in full
+            precision even when it packs them, and the statistics come from the
+            first call: a prompt is attended exactly, and the first call decides
+            the statistics (DESIGN.md section 11).
         layer_bits: per-layer bit allocation: ``((layer, k_bits, v_bits), ...)``
             (or the text ``"layer:k:v;layer:k:v"``); those layers store keys and
             values at these bits instead of ``k_bits``/``v_bits``.  ``layer`` is
@@ -134,6 +147,7 @@ class OIQConfig:
     rotation: str = "hadamard"
     key_scaling: float = 0.5
     layer_bits: tuple = ()
+    positional: bool = False
 
     def __post_init__(self):
         check_bits(self.k_bits, "k_bits")
@@ -147,7 +161,7 @@ class OIQConfig:
             raise ValueError(f"key_scaling must be a number in [0, 1], got {self.key_scaling!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation={self.rotation!r} is not one of {ROTATIONS}")
-        for name in ("clip", "center_keys", "center_values"):
+        for name in ("clip", "center_keys", "center_values", "positional"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "layer_bits", _parse_layer_bits(self.layer_bits))
@@ -232,6 +246,8 @@ class OIQConfig:
         if not isinstance(fields, dict):
             raise ValueError(f"config must be a JSON object, got {type(fields).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
+        # configs written before the field existed stored what positional=False does
+        fields.setdefault("positional", False)
         unknown, missing = sorted(set(fields) - known), sorted(known - set(fields))
         if unknown or missing:
             # a default filled in for a missing field could silently change how the cache stores

@@ -27,6 +27,11 @@ mlx-lm 0.32.2:
 * the prompt cache is :class:`OIQPromptCache`, mlx-lm's ``LRUPromptCache``
   keeping the segment checkpoints of OIQ caches and trimming them only exactly.
 
+The caches are ``positional`` (:class:`~oiq_mlx.config.OIQConfig`) unless
+``--no-positional``: what a sequence stores and attends to then depends only on
+its tokens, so a request served from a cached prefix gets what a fresh cache
+would give it, and batching or chunking never changes an answer.
+
 The prompt cache holds the OIQ caches themselves: its copies are
 :func:`~oiq_mlx.batch_cache.detached_copy` (new handles on the same packed
 arrays), its byte accounting is ``OIQKVCache.nbytes``, and no dequantized
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import logging
 import os
@@ -171,9 +177,10 @@ class OIQPromptCache(_server.LRUPromptCache):
     not what it was at that length (rows packed since stay packed), so here the
     checkpoints of OIQ caches are kept (counted in the byte budget as any entry),
     and a longer entry is only trimmed when the trim is exact
-    (:func:`trim_is_exact`); otherwise a shorter entry serves the request.  A
-    request whose prompt starts with a checkpoint's tokens then continues from
-    exactly the state a fresh prompt of the same segments reaches there.  Checked
+    (:func:`trim_is_exact`); otherwise a shorter entry serves the request, or none
+    (a fresh prefill).  A request then continues from exactly the state its cached
+    prefix had, which with ``positional`` caches (the server's default) is the state
+    a fresh cache reaches there.  Checked
     against mlx-lm 0.32.2 (``LRUPromptCache.insert_cache`` / ``fetch_nearest_cache``).
     """
 
@@ -189,13 +196,15 @@ class OIQPromptCache(_server.LRUPromptCache):
 
     def fetch_nearest_cache(self, model, tokens):
         found = self._trie.search(model, tokens)
-        if found.exact is None and found.longer is not None and found.shorter is not None \
-                and found.common_prefix > len(found.shorter):
+        short = len(found.shorter) if found.shorter is not None else 0
+        if found.exact is None and found.longer is not None and found.common_prefix > short:
             longer = self._trie.get(found.model, found.longer).prompt_cache
             prefix = min(len(tokens) - 1, found.common_prefix)
             if _oiq_caches(longer) and not trim_is_exact(longer, len(found.longer) - prefix):
+                if not short:
+                    return None, tokens  # a fresh prefill, rather than an inexact trim
                 shorter = self._trie.get(found.model, found.shorter)
-                return copy.deepcopy(shorter.prompt_cache), tokens[len(found.shorter):]
+                return copy.deepcopy(shorter.prompt_cache), tokens[short:]
         return super().fetch_nearest_cache(model, tokens)
 
 
@@ -274,11 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def server_config(args) -> OIQConfig | None:
+    """The OIQ configuration the server's options ask for (None: ``--no-oiq``).  As
+    ``oiq-generate``'s, except that ``positional`` is on unless ``--no-positional``: the
+    prompt cache reuses prefixes, which give what a fresh cache gives only then."""
+    if args.no_oiq:
+        return None
+    config = config_from_args(args)
+    return dataclasses.replace(config, positional=True) if args.positional is None else config
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args, rest = build_parser().parse_known_args(argv)
     try:
-        config = None if args.no_oiq else config_from_args(args)
+        config = server_config(args)
     except ValueError as e:
         print(f"oiq-server: error: {e}", file=sys.stderr)
         return 2

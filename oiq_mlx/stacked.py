@@ -88,14 +88,18 @@ class _SideView:
         self.bits, self.dim, self.head_dim = first.bits, first.dim, first.head_dim
         self.signs, self.rotated = first.signs, first.rotated
         self.sink = sink
-        self.mean = self._stack([s.mean for s in sides])
-        self.lam = self._stack([s.lam for s in sides])
+        self.mean = self._stack([s.mean for s in sides], mx.zeros_like)
+        self.lam = self._stack([s.lam for s in sides], mx.ones_like)
 
     @staticmethod
-    def _stack(arrays):
-        if all(a is None for a in arrays):
+    def _stack(arrays, neutral):
+        """The sequences' arrays on the batch axis; a ``positional`` sequence that has not
+        estimated its statistics yet gets the neutral value (its rows are not centered,
+        and it has no packed row to scale)."""
+        present = [a for a in arrays if a is not None]
+        if not present:
             return None
-        return mx.concatenate(arrays, axis=0)
+        return mx.concatenate([neutral(present[0]) if a is None else a for a in arrays], axis=0)
 
 
 class StackedDecode:
@@ -282,6 +286,8 @@ class StackedDecode:
         qa, qb = self.q_end[i] - s, target - s
         if qb > self.rows.shape[3]:
             self.rows = _pad_rows(self.rows, _round_up(qb, ROWS_STEP))
+        if c.config.positional and (c.k.needs_statistics or c.v.needs_statistics):
+            self._estimate(i, c)
         c._kv_recent = self.recent[:, i : i + 1]
         try:
             block = c._quantize_rows(a, b)
@@ -289,6 +295,24 @@ class StackedDecode:
             c._kv_recent = None
         self.rows[:, i : i + 1, :, qa:qb] = block
         self.q_end[i] = c.q_end = target
+
+    def _estimate(self, i: int, c):
+        """``positional``: sequence ``i``'s statistics, estimated as its cache estimates them
+        (:meth:`OIQKVCache._estimate_positional`) on its rows in the stacked window, which
+        are then centered, with its sinks."""
+        s = self.config.sink_tokens
+        lo, hi = max(s, self.recent_start[i]) - self.recent_start[i], c.statistics_end - self.recent_start[i]
+        rows = self.recent[:, i : i + 1, :, lo:hi]
+        for j, side in enumerate((c.k, c.v)):
+            if side.needs_statistics:
+                side.estimate(rows[j], 0)
+        c._stacked = None
+        mk, mv = (_ZERO if side.mean is None else side.mean for side in (c.k, c.v))
+        for name in ("recent", "sinks"):
+            x = getattr(self, name)
+            x[:, i : i + 1] = _center_pair(self.dtype)(x[0:1, i : i + 1], x[1:2, i : i + 1], mk, mv, _SELECT_FIRST)
+            setattr(self, name, x)
+        self._views()
 
     # -- what attention reads -------------------------------------------------
 
@@ -300,7 +324,9 @@ class StackedDecode:
         if self._segments is not None:
             return self._segments
         s = self.config.sink_tokens
-        start = self.attend_from if self.attend_from is not None else self.q_end
+        # positional: a step reads what the caches hold after its write
+        found = self.attend_from is not None and not self.config.positional
+        start = self.attend_from if found else self.q_end
         n_p = max(q - s for q in start)
         a0 = min(q - r for q, r in zip(start, self.recent_start))
         b0 = max(o - r for o, r in zip(self.offsets, self.recent_start))

@@ -24,10 +24,10 @@ def _prompts(lengths=PROMPT_LENGTHS):
     return [[(7 * i + 3 * j) % 120 + 1 for j in range(n)] for i, n in enumerate(lengths)]
 
 
-def _alone(model, prompt, n):
+def _alone(model, prompt, n, cfg=CFG):
     """Greedy tokens of one sequence with its own OIQ cache, chunked as BatchGenerator
     chunks it (the prompt but its last token, then one token per step)."""
-    cache = make_oiq_cache(model, CFG)
+    cache = make_oiq_cache(model, cfg)
     model(mx.array([prompt[:-1]]), cache=cache)
     tok, out = prompt[-1], []
     for _ in range(n):
@@ -37,9 +37,9 @@ def _alone(model, prompt, n):
     return out, cache
 
 
-def _batched(model, prompts, n):
+def _batched(model, prompts, n, cfg=CFG):
     gen = BatchGenerator(model, max_tokens=n)
-    uids = gen.insert(prompts, caches=[make_oiq_cache(model, CFG) for _ in prompts])
+    uids = gen.insert(prompts, caches=[make_oiq_cache(model, cfg) for _ in prompts])
     tokens, caches = {u: [] for u in uids}, {}
     while len(caches) < len(uids):
         for r in gen.next_generated():
@@ -55,15 +55,20 @@ def _oiq_layers(cache):
 
 @pytest.mark.filterwarnings("ignore:oiq_mlx")
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
-def test_batch_generator_matches_sequences_alone(make_model):
+@pytest.mark.parametrize("positional", [False, True], ids=["", "positional"])
+def test_batch_generator_matches_sequences_alone(make_model, positional):
+    """Right-padded prompts of different lengths prefilled as one batch, then decoded stacked:
+    each sequence gets the tokens and stores the rows it would alone (positional: its padded
+    queries come after its real ones, and the 5-token one estimates its statistics stacked)."""
     model = make_model()
     prompts = _prompts()
-    tokens, caches = _batched(model, prompts, 12)
+    cfg = OIQConfig(**{**vars(CFG), "positional": positional})
+    tokens, caches = _batched(model, prompts, 16, cfg)
     for prompt, got, cache in zip(prompts, tokens, caches):
-        want, alone = _alone(model, prompt, 12)
+        want, alone = _alone(model, prompt, 16, cfg)
         assert got == want
         for b, a in zip(_oiq_layers(cache), _oiq_layers(alone)):
-            assert (b.offset, b.q_end) == (a.offset, a.q_end)
+            assert (b.offset, b.q_end) == (a.offset, a.q_end) and b.k.mean is not None
             # the same rows through the same code; batched matmuls round differently (~1e-6)
             np.testing.assert_allclose(np.array(b.k.mean), np.array(a.k.mean), atol=1e-5)
             for x, y in zip(b.dequantized_kv(), a.dequantized_kv()):
@@ -375,7 +380,8 @@ def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
     """oiq-server's prompt cache: a checkpoint that is a prefix of a finished sequence is
     kept (mlx-lm drops it for trimmable caches) and serves a request that would otherwise
     need the finished sequence trimmed deeper than the trim reserve; a trim within the
-    reserve still reuses the longer entry."""
+    reserve still reuses the longer entry, and with no shorter entry a deeper trim is not
+    made at all."""
     from oiq_mlx.server import OIQPromptCache, trim_is_exact
 
     def cache_of(n, seed=3):
@@ -398,6 +404,11 @@ def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
     # shares 58 (a trim of 2, within the reserve): the finished sequence serves it
     got, rest = lru.fetch_nearest_cache("m", list(range(58)) + [999])
     assert got[0].offset == 58 and rest == [999]
+    # shares 25 with a sequence and nothing shorter is cached: a fresh prefill, not a deep trim
+    alone = OIQPromptCache(max_size=8)
+    alone.insert_cache("m", list(range(60)), finished)
+    got, rest = alone.fetch_nearest_cache("m", list(range(25)) + [999])
+    assert got is None and rest == list(range(25)) + [999]
 
 
 def test_sequences_joining_a_stacked_batch_are_appended_to_it():

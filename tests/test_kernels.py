@@ -10,6 +10,7 @@ that each template argument value, and each (d, bits, group) triple, occurs whil
 distinct instantiations stays near 90.
 """
 
+import copy
 import itertools
 import os
 import subprocess
@@ -702,6 +703,38 @@ def test_oiq_attention_through_kernels(kernels_on, monkeypatch, L, mask):
     ref = attention.oiq_attention(queries, cache, 128 ** -0.5, mask=mask)
     # Both end in a float16 rounding of the output: one half-ulp at |out| < 1 each.
     assert mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item() <= 2e-3
+
+
+@pytest.mark.parametrize("L", [1, 3, 8])
+def test_positional_call_through_kernels(kernels_on, monkeypatch, L):
+    """``positional``: a call that packs rows its queries attend (a block leaves the window
+    during the call) reads them through the decode kernels with the per-query mask, as the
+    reference path does."""
+    cfg = OIQConfig(k_bits=4, v_bits=4, sink_tokens=4, window=16, positional=True)
+    d, T = 128, 52  # packed_end moves from 20 to 36 with the last token of the call
+    k = _heavy_tailed((1, 2, T, d), mx.float16, seed=5)
+    v = mx.random.normal((1, 2, T, d), key=mx.random.key(6)).astype(mx.float16)
+    cache = OIQKVCache(cfg)
+    cache.update_and_fetch(k[:, :, : T - L], v[:, :, : T - L])
+    cache.release_fresh()
+    before = copy.deepcopy(cache)
+    q = _queries(cache, 1, 6, L, d)
+    mask = "causal" if L > 1 else None
+    cache.update_and_fetch(k[:, :, T - L :], v[:, :, T - L :])
+    assert cache.q_end > cache._attend_from  # the call packed rows its queries attend
+    kernels_on.clear()
+    out = attention.oiq_attention(q, cache, SCALE[d], mask=mask)
+    assert len(kernels_on) == 2  # attention + merge
+    monkeypatch.setattr(dispatch, "kernels_enabled", lambda: False)
+    single = copy.deepcopy(before)
+    before.update_and_fetch(k[:, :, T - L :], v[:, :, T - L :])
+    ref = attention.oiq_attention(q, before, SCALE[d], mask=mask)
+    assert mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item() <= 2e-3
+    # and each query sees what it sees in a call of its own token
+    for i in range(L):
+        single.update_and_fetch(k[:, :, T - L + i : T - L + i + 1], v[:, :, T - L + i : T - L + i + 1])
+        one = attention.oiq_attention(q[:, :, i : i + 1], single, SCALE[d])
+        assert mx.abs(out[:, :, i : i + 1].astype(mx.float32) - one.astype(mx.float32)).max().item() <= 2e-3
 
 
 @pytest.mark.parametrize("rotation_kind", ["hadamard", "none"])

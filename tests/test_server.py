@@ -1,8 +1,9 @@
 """``oiq-server`` as a subprocess on 127.0.0.1, talked to over HTTP.
 
 Two servers (OIQ 4bit and K8V8, window 16 so that short prompts reach the
-packed segment) and in-process references run one sequence at a time with the
-same cache configuration, as ``oiq-generate`` runs them.
+packed segment; positional, the server's default) and in-process references run
+one sequence at a time with the same cache configuration, as ``oiq-generate
+--positional`` runs them.
 """
 
 import json
@@ -15,6 +16,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from oiq_mlx import OIQConfig, demo_model_path, load, make_oiq_cache
+from oiq_mlx.server import build_parser, server_config
 from oiq_mlx.server import main as server_main
 from oiq_mlx.server_bench import ServerProcess, complete, request, run_clients
 
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.slow
 WORDS = ("the keeper climbed the stair at dusk and lit the lamp while the sea rolled grey "
          "under a low sky and gulls wheeled over the rocks by the harbour wall").split()
 MAX_TOKENS = 6
-CFG_4BIT = OIQConfig.preset("4bit", window=16)
-CFG_K8V8 = OIQConfig(k_bits=8, v_bits=8, window=16)
+CFG_4BIT = OIQConfig.preset("4bit", window=16, positional=True)
+CFG_K8V8 = OIQConfig(k_bits=8, v_bits=8, window=16, positional=True)
 
 
 def _prompt(n_words: int, start: int = 0) -> str:
@@ -82,10 +84,6 @@ def test_concurrent_clients_equal_one_at_a_time(server_4bit, demo):
     assert all(r.n_tokens == len(w) for r, w in zip(streamed, want))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 13, open: a prefix cut out of a longer cached sequence keeps that sequence's first-chunk "
-    "statistics, and rows packed beyond trim_reserve stay packed, so reuse is close to a fresh cache, "
-    "not equal to it (greedy tokens differ from the second token on since block packing)"))
 def test_prefix_reuse_gives_what_a_fresh_cache_gives(server_4bit, demo):
     model, tokenizer = demo
     shared = _prompt(70, start=5)
@@ -143,6 +141,15 @@ def test_sigterm_stops_the_server_within_seconds(tmp_path):
         assert complete(server.port, PROMPTS[0], 2).n_tokens == 2
     assert server.proc.returncode == 0, server.log()
     assert server.exit_seconds < 5
+
+
+def test_server_caches_are_positional_unless_asked_not_to_be():
+    def config(*argv):
+        return server_config(build_parser().parse_known_args(list(argv))[0])
+
+    assert config("--preset", "3bit") == OIQConfig.preset("3bit", positional=True)
+    assert config("--preset", "3bit", "--no-positional") == OIQConfig.preset("3bit")
+    assert config("--no-oiq") is None
 
 
 def test_bad_server_options_fail_before_serving(capsys):
