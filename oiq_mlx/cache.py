@@ -635,6 +635,11 @@ class OIQKVCache(_BaseCache):
         holds the found rows and its own input aside, so the buffer drops the
         packed rows at once (a prompt never sits in it whole).  Attention
         calls :meth:`release_fresh` once it has read them.
+
+        ``positional``: a one-token call reads :meth:`segments` (the block it
+        packed, packed); a call of several tokens that packed rows gets them
+        twice, packed up to ``q_end`` and in full precision from the position it
+        found, and :meth:`positional_mask` tells each query which copy it reads.
         """
         segs = self.segments()
         start = self._attend_from

@@ -596,6 +596,13 @@ def answer_trace(model, tokenizer, ids, cache, *, max_tokens: int = 8, prefill_s
 EXACT_PREFILL_KINDS = ("fp", "oiq")
 
 
+def exact_prefill(spec) -> bool:
+    """True when ``spec``'s cache attends a prefill chunk exactly: an exact-prefill kind, and
+    for OIQ not ``positional`` (whose chunk queries read the packed copies of the rows that
+    left the window, so its later layers get other keys and values than fp's)."""
+    return spec.kind in EXACT_PREFILL_KINDS and not (spec.kind == "oiq" and spec.oiq.positional)
+
+
 def record_first_chunk(model, ids, n: int) -> tuple[list, list]:
     """Prefill ``ids[:n]`` into a fresh fp prompt cache, as ``generate_step``'s
     first chunk, recording each layer's ``update_and_fetch(keys, values)``
@@ -638,13 +645,13 @@ def trial_answers(model, tokenizer, ids, specs, *, max_tokens: int = 8, prefill_
                   share_prefill: bool = True) -> dict:
     """Each cache's :func:`answer_trace` on one prompt.  With ``share_prefill``
     the first prefill chunk (``min(prefill_step_size, len(ids) - 1)`` tokens) is
-    run once in fp and replayed into every cache of an exact-prefill kind
-    (:func:`exact_prefill_kinds`); the rest of the prompt goes through
+    run once in fp and replayed into every cache that attends it exactly
+    (:func:`exact_prefill`); the rest of the prompt goes through
     ``generate_step`` with the same chunk boundaries, so each answer is the one
     ``generate_step`` gives on the whole prompt (up to float rounding)."""
     out = {}
     n1 = min(prefill_step_size, len(ids) - 1)
-    shared = [s for s in specs if s.kind in EXACT_PREFILL_KINDS] if share_prefill and n1 > 0 else []
+    shared = [s for s in specs if exact_prefill(s)] if share_prefill and n1 > 0 else []
     log = fp_cache = None
     t0 = time.perf_counter()
     if shared:

@@ -320,7 +320,8 @@ class StackedDecode:
         """``(sink_k, sink_v, quant, recent_k, recent_v)`` over every sequence and the additive
         mask ``(B, 1, 1, T)`` (0: attend, -inf: not) that shows each its own rows: the sinks, its
         packed rows before the q_end the step found, its full-precision rows from there
-        on (the rows a step packs are attended exactly, as one sequence alone does)."""
+        on (the rows a step packs are attended exactly, as one sequence alone does;
+        ``positional``: packed, before the q_end after the write)."""
         if self._segments is not None:
             return self._segments
         s = self.config.sink_tokens
