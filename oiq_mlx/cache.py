@@ -662,20 +662,19 @@ class OIQKVCache(_BaseCache):
         tokens packed rows its queries attend: then its segments hold those rows twice,
         packed and in full precision, and query ``p`` sees a row packed when it had left
         the window by the time ``p`` was written (``packed_end(p + 1)``), in full precision
-        otherwise, and no row past ``p``.  Returns a bool ``(B', 1 or n_q, L, T)`` array
-        that also applies ``mask`` (None, ``"causal"``, or an array over the ``offset``
-        positions, bool or additive).
+        otherwise, and no row past ``p``.  Returns a ``(B', 1 or n_q, L, T)`` array that
+        also applies ``mask`` (None, ``"causal"``, or an array over the ``offset``
+        positions): bool, or additive float32 when ``mask`` is additive.
         """
         start = self._attend_from
         if not self.config.positional or L < 2 or start is None or start >= self.q_end:
             return mask
-        cfg, offset = self.config, self.offset
-        s = cfg.sink_tokens
+        offset, s = self.offset, self.config.sink_tokens
         cols = np.concatenate([np.arange(min(s, offset)), np.arange(s, self.q_end), np.arange(start, offset)])
         # query j sits at the call's j-th position (a batch's padding queries come after them)
         p = np.arange(offset - self._call_tokens, offset - self._call_tokens + L)[:, None]
-        n = p + 1  # the cache held n tokens right after p was written: packed_end(n)
-        packed_to = np.where(n <= cfg.quantize_after, s, s + np.maximum(0, n - s - cfg.window) // self.block * self.block)
+        # the cache held p + 1 tokens right after p was written
+        packed_to = np.array([self.packed_end(int(x) + 1) for x in p[:, 0]])[:, None]
         n_sink, n_packed = min(s, offset), self.q_end - s
         kind = np.concatenate([np.zeros(n_sink, np.int8), np.ones(n_packed, np.int8),
                                np.full(offset - start, 2, np.int8)])[None, :]

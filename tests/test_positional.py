@@ -205,3 +205,26 @@ def test_stacked_batch_decode_estimates_like_each_sequence_alone():
     assert all(c.k.mean is not None for c in alone)
     for a, b in zip(alone, batch.stacked.unstack()):
         assert _same_storage(a, b)
+
+
+def test_positional_mask_applies_the_models_mask_bool_or_additive():
+    """The model's mask (over the ``offset`` positions) is carried onto the segments' columns,
+    packed and full-precision copies of a row alike."""
+    cfg = CONFIGS["4bit"]
+    k, v, _ = _data()
+    cache = OIQKVCache(cfg)
+    cache.update_and_fetch(k[:, :, :30], v[:, :, :30])
+    cache.release_fresh()
+    cache.update_and_fetch(k[:, :, 30:40], v[:, :, 30:40])  # packs rows this call's queries attend
+    L, offset = 10, cache.offset
+    causal = np.array(cache.positional_mask("causal", L))
+    hide = np.ones((1, 1, L, offset), bool)
+    hide[..., 5] = False  # position 5: in the packed segment now
+    got = np.array(cache.positional_mask(mx.array(hide), L))
+    start = cache._attend_from
+    cols = np.concatenate([np.arange(cfg.sink_tokens), np.arange(cfg.sink_tokens, cache.q_end), np.arange(start, offset)])
+    assert np.array_equal(got, causal & (cols != 5))
+    additive = np.where(hide, 0.0, -np.inf).astype(np.float32)
+    add = np.array(cache.positional_mask(mx.array(additive), L))
+    assert np.array_equal(add, np.where(got, 0.0, -np.inf))
+    cache.release_fresh()
