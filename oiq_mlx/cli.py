@@ -251,6 +251,8 @@ def cache_label(cache) -> str:
     label = f"OIQ K{cfg.k_bits}V{cfg.v_bits} g{cfg.group_size}"
     if cfg.layer_bits:
         label += ", layers " + layer_bits_text(cfg.layer_bits)
+    if cfg.positional:
+        label += ", positional"
     return label
 
 

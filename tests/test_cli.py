@@ -191,3 +191,12 @@ def test_scripts_create_the_json_folder_before_running(tmp_path):
     if mx.metal.is_available():
         pytest.skip("Metal is available here: check_metal.py runs its checks instead of refusing")
     assert r.returncode != 0 and "Metal is not available" in r.stderr
+
+
+def test_cache_label_names_bits_layers_and_positional():
+    from oiq_mlx.cli import cache_label
+
+    assert cache_label([KVCache()]) == "full precision"
+    assert cache_label([OIQKVCache(OIQConfig.preset("3bit"))]) == "OIQ K3V3 g32"
+    assert cache_label([OIQKVCache(OIQConfig(positional=True, layer_bits="1:8:8"))]) == \
+        "OIQ K4V4 g32, layers 1:K8V8, positional"
