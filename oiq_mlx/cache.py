@@ -465,16 +465,21 @@ class OIQKVCache(_BaseCache):
         self._drop_dead(bh)
 
     def _estimate_positional(self):
-        """``positional``: before the first block is packed, estimate the statistics on the
-        rows from the sinks up to :attr:`statistics_end` (all still held in full precision)
-        and center every full-precision row held, as if they had been centered when written."""
-        s = self.config.sink_tokens
-        lo, hi = max(s, self.recent_start) - self.recent_start, self.statistics_end - self.recent_start
-        for side in (self.k, self.v):
-            if side.needs_statistics:
-                side.estimate(side.recent[:, :, lo:hi], 0)
-        self._stacked = None
+        """``positional``: before the first block is packed, estimate the statistics and
+        center every full-precision row held, as if they had been centered when written."""
+        self.estimate_on_window(self.k.recent, self.v.recent, self.recent_start)
         self._shift_held(center=True)
+
+    def estimate_on_window(self, k_recent, v_recent, recent_start: int):
+        """``positional``: estimate the statistics on the rows from the sinks up to
+        :attr:`statistics_end` of full-precision buffers ``(B, H, rows, d)`` whose first row
+        is position ``recent_start`` (this cache's, or its slice of a stacked batch's)."""
+        s = self.config.sink_tokens
+        lo, hi = max(s, recent_start) - recent_start, self.statistics_end - recent_start
+        for side, rows in ((self.k, k_recent), (self.v, v_recent)):
+            if side.needs_statistics:
+                side.estimate(rows[:, :, lo:hi], 0)
+        self._stacked = None
 
     def _shift_held(self, center: bool):
         """Subtract (``center``) or add back the sides' means from every full-precision row

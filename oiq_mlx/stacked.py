@@ -298,15 +298,9 @@ class StackedDecode:
 
     def _estimate(self, i: int, c):
         """``positional``: sequence ``i``'s statistics, estimated as its cache estimates them
-        (:meth:`OIQKVCache._estimate_positional`) on its rows in the stacked window, which
+        (:meth:`OIQKVCache.estimate_on_window`) on its rows in the stacked window, which
         are then centered, with its sinks."""
-        s = self.config.sink_tokens
-        lo, hi = max(s, self.recent_start[i]) - self.recent_start[i], c.statistics_end - self.recent_start[i]
-        rows = self.recent[:, i : i + 1, :, lo:hi]
-        for j, side in enumerate((c.k, c.v)):
-            if side.needs_statistics:
-                side.estimate(rows[j], 0)
-        c._stacked = None
+        c.estimate_on_window(*halves(self.recent[:, i : i + 1]), self.recent_start[i])
         mk, mv = (_ZERO if side.mean is None else side.mean for side in (c.k, c.v))
         for name in ("recent", "sinks"):
             x = getattr(self, name)
