@@ -214,6 +214,22 @@ def _center_one(dtype):
     return mx.compile(lambda x, m: (x.astype(mx.float32) - m).astype(dtype), shapeless=True)
 
 
+class HostMemo:
+    """The last array(s) built on the host for a key.  Every layer of a model's call builds
+    the same masks and indices from the same positions: the first layer builds and uploads
+    them, the others reuse them."""
+
+    def __init__(self):
+        self.key = self.value = None
+
+    def get(self, key, build):
+        if key != self.key:
+            self.key, self.value = key, build()
+        return self.value
+
+
+_POSITIONAL = HostMemo()
+
 # built whole (not a lazy reshape): a lazy module constant belongs to the importing thread's
 # stream, and mlx-lm's server evaluates caches on its generation thread
 _SELECT_FIRST = mx.array(np.array([True, False]).reshape(2, 1, 1, 1, 1))
@@ -674,6 +690,19 @@ class OIQKVCache(_BaseCache):
         start = self._attend_from
         if not self.config.positional or L < 2 or start is None or start >= self.q_end:
             return mask
+        # every layer of a model's call has the same positions: the first builds, the others reuse
+        key = (self.config, self.offset, self.q_end, start, self._call_tokens, L)
+        out, cols = _POSITIONAL.get(key, lambda: self._positional_columns(start, L))
+        if mask is None or isinstance(mask, str):
+            return out  # "causal" is part of what each query sees
+        given = mx.take(mask, cols, axis=-1)
+        if given.dtype == mx.bool_:
+            return mx.logical_and(out, given)
+        return mx.where(out, given.astype(mx.float32), -mx.inf)
+
+    def _positional_columns(self, start: int, L: int):
+        """What :meth:`positional_mask` builds on the host: which columns each query sees,
+        ``(1, 1, L, T)`` bool, and each column's position, ``(T,)`` int32."""
         offset, s = self.offset, self.config.sink_tokens
         cols = np.concatenate([np.arange(min(s, offset)), np.arange(s, self.q_end), np.arange(start, offset)])
         # query j sits at the call's j-th position (a batch's padding queries come after them)
@@ -684,13 +713,7 @@ class OIQKVCache(_BaseCache):
         kind = np.concatenate([np.zeros(n_sink, np.int8), np.ones(n_packed, np.int8),
                                np.full(offset - start, 2, np.int8)])[None, :]
         seen = np.where(kind == 1, cols < packed_to, (cols <= p) & ((kind == 0) | (cols >= packed_to)))
-        out = mx.array(seen.reshape(1, 1, L, -1))
-        if mask is None or isinstance(mask, str):
-            return out  # "causal" is part of what each query sees
-        given = mx.take(mask, mx.array(cols.astype(np.int32)), axis=-1)
-        if given.dtype == mx.bool_:
-            return mx.logical_and(out, given)
-        return mx.where(out, given.astype(mx.float32), -mx.inf)
+        return mx.array(seen.reshape(1, 1, L, -1)), mx.array(cols.astype(np.int32))
 
     def release_fresh(self):
         """Attention has read this call's segments: later reads see the packed rows, and

@@ -30,7 +30,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .cache import _SELECT_FIRST, _ZERO, _center_pair, halves, pad_last
+from .cache import _SELECT_FIRST, _ZERO, HostMemo, _center_pair, halves, pad_last
 from .codec import row_width, split_rows
 
 # spare rows the stacked buffers are allocated with, so that growing is rare
@@ -38,24 +38,9 @@ RECENT_SPARE = 32
 ROWS_STEP = 256
 # what each sequence has its own entry of, in batch order
 PER_SEQUENCE = ("caches", "offsets", "q_end", "recent_start")
-
-
-class _HostMemo:
-    """The last array built on the host for a key.  Every layer of a batch's step builds
-    the same write index and the same mask from the same positions: the first layer
-    builds and uploads it, the others reuse it."""
-
-    def __init__(self):
-        self.key = self.value = None
-
-    def get(self, key, build):
-        if key != self.key:
-            self.key, self.value = key, build()
-        return self.value
-
-
-_INDEX = _HostMemo()
-_MASK = _HostMemo()
+# every layer of a step writes at and masks by the same positions (see HostMemo)
+_INDEX = HostMemo()
+_MASK = HostMemo()
 
 
 def _round_up(n: int, step: int) -> int:

@@ -228,3 +228,19 @@ def test_positional_mask_applies_the_models_mask_bool_or_additive():
     add = np.array(cache.positional_mask(mx.array(additive), L))
     assert np.array_equal(add, np.where(got, 0.0, -np.inf))
     cache.release_fresh()
+
+
+def test_a_model_call_builds_the_positional_mask_once_for_all_layers(monkeypatch):
+    """Every layer of a call has the same positions: the host-built columns of the
+    positional mask are built by the first layer and reused by the others."""
+    model = tiny_llama()
+    assert len(model.layers) > 1
+    cfg = OIQConfig(window=8, sink_tokens=2, positional=True)
+    builds = []
+    real = OIQKVCache._positional_columns
+    monkeypatch.setattr(OIQKVCache, "_positional_columns", lambda self, *a: builds.append(a) or real(self, *a))
+    cache = make_oiq_cache(model, cfg)
+    model(mx.array([list(range(1, 41))]), cache=cache)  # packs rows its own queries attend
+    assert len(builds) == 1
+    model(mx.array([list(range(41, 61))]), cache=cache)
+    assert len(builds) == 2
