@@ -30,6 +30,7 @@ returns one JSON-serialisable dict; :func:`markdown_table` and
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -764,56 +765,81 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
 
 def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials: int, seed: int = 0,
                  chat: bool = True, max_tokens: int = 8, prefill_step_size: int = 2048, share_prefill: bool = True,
-                 progress=None, done=None, checkpoint=None) -> dict:
+                 progress=None, done=None, done_specs=None, checkpoint=None) -> dict:
     """Passkey retrieval over many trials per (length, depth) cell, every trial
     run through every cache in ``specs`` (the first is the paired reference).
 
-    ``done``: records of an earlier run of the same plan (by trial index) that
-    are kept instead of rerun; ``checkpoint(result)`` is called after each trial
-    so a stopped run keeps what it measured.  Returns a JSON-serialisable dict
-    with the per-trial ``records`` and the ``summary``."""
+    ``done``: records of an earlier run of the same plan (by trial index);
+    ``done_specs``: that run's ``specs`` (name -> :meth:`CacheSpec.to_dict`).  A
+    cache's stored result is kept instead of rerun when its name was run with
+    the same configuration (so fp results are reused when caches are added, and
+    a cache whose configuration changed under the same name runs again);
+    without ``done_specs`` (a file from before they were recorded) a record is
+    kept only when it has every cache.  ``checkpoint(result)`` is called after
+    each trial so a stopped run keeps what it measured.  Returns a
+    JSON-serialisable dict with the per-trial ``records`` and the ``summary``."""
     progress = progress or Progress(enabled=False)
     plan = plan_needle_trials(tokenizer, haystacks, lengths, depths, trials, seed=seed, chat=chat)
     names = [s.name for s in specs]
+    spec_dicts = {s.name: json.loads(json.dumps(s.to_dict())) for s in specs}
     done = {r["index"]: r for r in (done or [])}
+    recorded_specs = {**(done_specs or {}), **spec_dicts}
+
+    def reusable(old_rec) -> set:
+        have = set(old_rec["results"])
+        if done_specs is None:
+            return set(names) if have >= set(names) else set()
+        return {n for n in names if n in have and done_specs.get(n) == spec_dicts[n]}
+
+    def todo(t) -> list:
+        return [s for s in specs if s.name not in reusable(done[t.index])] if t.index in done else list(specs)
+
     records = []
     # prefill dominates: a trial costs about its length in tokens per cache
-    total = sum(t.length for t in plan if t.index not in done) * len(specs)
+    total = sum(t.length * len(todo(t)) for t in plan)
     spent, t0 = 0, time.perf_counter()
     for t in plan:
+        kept = {}
         if t.index in done:
             old = done[t.index]
             if (old["passkey"], old["length"], old["text"], old["offset"]) != (t.passkey, t.length, t.text, t.offset):
                 raise ValueError(f"trial {t.index} of the resumed run differs from this plan "
                                  f"(other seed, texts, lengths, depths or model?)")
-            if set(old["results"]) >= set(names):
-                records.append(old)
-                continue
+            kept = {n: old["results"][n] for n in reusable(old)}
+        run = todo(t)
         rec = {
             "index": t.index, "text": t.text, "offset": t.offset, "length": t.length, "depth": t.depth,
             "actual_depth": t.prompt.depth, "needle_token": t.prompt.needle_start, "passkey": t.passkey,
-            "results": {},
+            # results of caches this run does not name are carried over, not dropped
+            "results": {n: r for n, r in done[t.index]["results"].items() if n not in names} if t.index in done else {},
         }
-        answers = trial_answers(model, tokenizer, t.prompt.ids, specs, max_tokens=max_tokens,
-                                prefill_step_size=prefill_step_size, share_prefill=share_prefill)
-        for name, tr in answers.items():
-            rec["results"][name] = {"hit": retrieved_passkey(tr["answer"]) == t.passkey, **tr}
-        spent += t.length * len(specs)
+        answers = trial_answers(model, tokenizer, t.prompt.ids, run, max_tokens=max_tokens,
+                                prefill_step_size=prefill_step_size, share_prefill=share_prefill) if run else {}
+        for name in names:
+            if name in kept:
+                rec["results"][name] = kept[name]
+            else:
+                tr = answers[name]
+                rec["results"][name] = {"hit": retrieved_passkey(tr["answer"]) == t.passkey, **tr}
         records.append(rec)
+        if not run:
+            continue
+        spent += t.length * len(run)
         verdicts = " ".join(f"{n}:{'+' if rec['results'][n]['hit'] else '-'}" for n in names)
         progress(f"trial {t.index + 1}/{len(plan)} len {t.length} depth {t.depth:.2f} {t.text}@{t.offset} "
                  f"key {t.passkey}: {verdicts}; ETA {_eta(spent, total, time.perf_counter() - t0)}")
         if checkpoint is not None:
-            checkpoint(_needle_stats_result(records, names, plan, lengths, depths, trials, seed, chat,
+            checkpoint(_needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat,
                                             prefill_step_size, share_prefill, haystacks))
-    return _needle_stats_result(records, names, plan, lengths, depths, trials, seed, chat, prefill_step_size,
-                                share_prefill, haystacks)
+    return _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat,
+                                prefill_step_size, share_prefill, haystacks)
 
 
-def _needle_stats_result(records, names, plan, lengths, depths, trials, seed, chat, prefill_step_size, share_prefill,
-                         haystacks):
+def _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat, prefill_step_size,
+                         share_prefill, haystacks):
     return {
         "caches": names,
+        "specs": recorded_specs,
         "lengths": list(lengths),
         "depths": list(depths),
         "trials_per_cell": trials,

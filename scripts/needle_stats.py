@@ -100,7 +100,7 @@ def main(argv=None):
         texts = {"austen_persuasion": ev.load_text(None)}
     if len(texts) != len(paths) and paths:
         p.error("--texts: two files have the same name; haystacks are told apart by file name")
-    done = None
+    done = done_specs = None
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         if args.resume and os.path.exists(args.json):
@@ -108,7 +108,7 @@ def main(argv=None):
                 old = json.load(f)
             if old.get("model") != args.model:
                 p.error(f"--resume: {args.json} was run with model {old.get('model')!r}, not {args.model!r}")
-            done = old["records"]
+            done, done_specs = old["records"], old.get("specs")
 
     progress = ev.Progress()
     model, tokenizer, path = ev.load_model(args.model)
@@ -130,7 +130,7 @@ def main(argv=None):
     result = ev.needle_stats(model, tokenizer, specs, haystacks=haystacks, lengths=lengths, depths=depths,
                              trials=trials, seed=args.seed, chat=not args.no_chat, max_tokens=args.max_tokens,
                              prefill_step_size=args.prefill_step_size,
-                             share_prefill=not args.no_share_prefill, progress=progress, done=done,
+                             share_prefill=not args.no_share_prefill, progress=progress, done=done, done_specs=done_specs,
                              checkpoint=checkpoint)
     checkpoint(result)
     report = ev.needle_stats_markdown(finish(result))

@@ -198,7 +198,7 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
         needle = ev.NEEDLE_TEMPLATE.format(key=key)
         depth = text.index(needle) / (text.index(ev.QUESTION) - len(needle))
         calls.append(key)
-        wrong = {"oiq-4": depth < 0.3, "fp": depth > 0.7}
+        wrong = {"oiq-4": depth < 0.3, "fp": depth > 0.7, "oiq-3": False}
         return {s.name: {"answer": f" {int(key) + 1 if wrong[s.name] else key}.", "margins": [1.0], "seconds": 0.0}
                 for s in specs}
 
@@ -228,6 +228,25 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     other_plan = dict(kw, seed=3)
     with pytest.raises(ValueError, match="differs from this plan"):
         ev.needle_stats(None, tok, specs, done=part, **other_plan)
+
+    # with the earlier run's specs, a cache added later runs alone on the finished
+    # trials, a cache whose configuration changed under its name runs again, and
+    # results of caches not named now are carried over
+    ran = []
+    monkeypatch.setattr(ev, "trial_answers", lambda m, t, ids, specs, **k: ran.append([s.name for s in specs])
+                        or answers(m, t, ids, specs, **k))
+    added = [parse_spec("fp"), parse_spec("oiq-3")]
+    res3 = ev.needle_stats(None, tok, added, done=res["records"], done_specs=res["specs"], **kw)
+    assert ran == [["oiq-3"]] * 24 and res3["specs"].keys() == {"fp", "oiq-4", "oiq-3"}
+    assert all(r["results"]["fp"] == o["results"]["fp"] and r["results"]["oiq-4"] == o["results"]["oiq-4"]
+               for r, o in zip(res3["records"], res["records"]))
+    ran.clear()
+    changed = dict(res3["specs"], fp=dict(res3["specs"]["fp"], description="another fp"))
+    ev.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, **kw)
+    assert ran == [["fp"]] * 24
+    ran.clear()
+    ev.needle_stats(None, tok, added, done=res3["records"], done_specs=None, **kw)
+    assert ran == []  # a file without specs: records that have every cache are kept whole
 
 
 def tiny_llama(seed=0):
