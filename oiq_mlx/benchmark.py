@@ -85,9 +85,9 @@ def describe(spec: CacheSpec) -> dict:
 
 def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), group_size: int | None = None, fp: bool = True):
     """fp, then mlx-lm quantized at each of ``mlx_bits`` (group 64), then OIQ
-    with ``k_bits = v_bits`` at each of ``oiq_bits``: the preset of that name
-    (``OIQConfig.preset("4bit")`` ...) where one exists, else the defaults at those
-    bits; ``group_size`` replaces the OIQ group size and nothing else.  Named as
+    at each of ``oiq_bits`` bits per coordinate: the preset of that name
+    (``OIQConfig.preset("4bit")``, K5V3 ...) where one exists, else the defaults
+    with ``k_bits = v_bits`` at those bits; ``group_size`` replaces the OIQ group size and nothing else.  Named as
     :func:`oiq_mlx.specs.parse_spec` reads them (``mlx-q4``, ``oiq-4bit``)."""
     specs = [parse_spec("fp")] if fp else []
     specs += [parse_spec(f"mlx-q{b}") for b in mlx_bits]

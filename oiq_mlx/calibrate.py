@@ -17,9 +17,9 @@ byte, as long as the mean bytes per token over the OIQ layers stays within
 the budget (by default the uniform config's own ``bytes_per_token``).
 
 Default candidates (:func:`default_choices`): the config's bits one step
-down, unchanged and one step up, keys and values together, within 2..4 bits:
-``2bit`` -> K2V2, K3V3; ``3bit`` -> K2V2, K3V3, K4V4; ``4bit`` -> K3V3,
-K4V4.
+down, unchanged and one step up, keys and values together, within 2..6 bits:
+``2bit`` -> K2V2, K3V3; ``3bit`` -> K2V2, K3V3, K4V4; ``4bit`` (K5V3) ->
+K4V2, K5V3, K6V4.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import mlx.core as mx
 from .cache import OIQKVCache
 from .config import OIQConfig
 
-LADDER = (2, 3, 4)  # bits the default candidates move within
+LADDER = (2, 3, 4, 5, 6)  # bits the default candidates move within
 
 
 def parse_auto(text) -> tuple[bool, float | None]:
@@ -52,10 +52,10 @@ def parse_auto(text) -> tuple[bool, float | None]:
 
 
 def default_choices(config: OIQConfig) -> list[tuple[int, int]]:
-    """``(k_bits + s, v_bits + s)`` for ``s`` in -1, 0, 1, both within 2..4 bits."""
+    """``(k_bits + s, v_bits + s)`` for ``s`` in -1, 0, 1, both within 2..6 bits."""
     kb, vb = config.k_bits, config.v_bits
     if kb not in LADDER or vb not in LADDER:
-        raise ValueError(f"automatic layer_bits has default candidates for 2-4 bits only, the config has "
+        raise ValueError(f"automatic layer_bits has default candidates for 2-6 bits only, the config has "
                          f"K{kb}V{vb}; pass choices=[(k_bits, v_bits), ...]")
     return [(kb + s, vb + s) for s in (-1, 0, 1) if kb + s in LADDER and vb + s in LADDER]
 

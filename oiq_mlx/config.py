@@ -24,7 +24,7 @@ MAX_TOKENS = 1 << 24
 # Pride and Prejudice and a Qwen-style key-bias stand-in (768-token prompt, 256 tokens
 # scored one per call); Sense and Sensibility is the text held out from that choice.
 PRESETS = {
-    "4bit": dict(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5),
+    "4bit": dict(k_bits=5, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5),
     "3bit": dict(k_bits=3, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.75,
                  clip=True),
     "2bit": dict(k_bits=2, v_bits=2, group_size=32, sink_tokens=4, window=128, center_keys=True, key_scaling=0.75,
@@ -81,8 +81,9 @@ class OIQConfig:
     """How an OIQ cache stores keys and values.
 
     The defaults are the measured ``"4bit"`` preset (see :meth:`preset` and the
-    README's fidelity section): K4V4 group 32, 4 sink tokens and a 64-token
-    window in full precision, key mean removed, key scaling 0.5.
+    README's fidelity section): keys at 5 bits and values at 3 (K5V3, 4 bits per
+    coordinate on average, the bytes of K4V4), group 32, 4 sink tokens and a
+    64-token window in full precision, key mean removed, key scaling 0.5.
 
     Attributes:
         k_bits, v_bits: bits per key / value coordinate: 2, 3, 4, 5, 6 or 8.
@@ -133,8 +134,8 @@ class OIQConfig:
             give the layers whose attention suffers most more bits.
     """
 
-    k_bits: int = 4
-    v_bits: int = 4
+    k_bits: int = 5
+    v_bits: int = 3
     group_size: int = 32
     seed: int = 0
     sink_tokens: int = 4

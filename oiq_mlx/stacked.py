@@ -10,8 +10,10 @@ module holds the batch's storage in arrays with the sequences on one axis:
 * ``sinks``  ``(2, B, H, S, d)``: keys and values of the sink tokens;
 * ``recent`` ``(2, B, H, R, d)``: the full-precision rows, sequence ``i``'s row ``j``
   being its position ``recent_start[i] + j``;
-* ``rows``   ``(2, B, H, P, width)``: the packed rows (``codec.join_rows``), sequence
-  ``i``'s first ``q_end[i] - S``.
+* ``rows``: the packed rows (``codec.join_rows``), sequence ``i``'s first ``q_end[i] - S``:
+  one ``(2, B, H, P, width)`` array when keys and values have the same bits (one write
+  per packed block), else one ``(1, B, H, P, width_side)`` array per side (``4bit``
+  stores keys at 5 bits and values at 3).
 
 A step writes every sequence's new row with one scatter, packs a block of the
 sequences whose window just filled (one quantize pass each, once per ``flush_block``
@@ -49,7 +51,7 @@ def _round_up(n: int, step: int) -> int:
 
 def stackable(caches) -> bool:
     """True when these caches (one layer of a batch) can decode stacked: written, keys and
-    values of one width sharing packed buffers, one dtype and config, sinks complete."""
+    values of one width sharing the window buffer, one dtype and config, sinks complete."""
     if not caches:
         return False
     first = caches[0]
@@ -57,7 +59,7 @@ def stackable(caches) -> bool:
     for c in caches:
         if c.dtype is None or c.dtype != first.dtype or c.config != first.config:
             return False
-        if c._kv_recent is None or not c._pairs_packed or c.batch_heads != first.batch_heads:
+        if c._kv_recent is None or c.batch_heads != first.batch_heads:
             return False
         if c.batch_heads[0] != 1 or c.offset <= s or c._attend_from is not None:
             return False
@@ -116,8 +118,6 @@ class StackedDecode:
         first = caches[0]
         s = first.config.sink_tokens
         _, H = first.batch_heads
-        d = first.k.dim
-        width = row_width(d, first.k.bits, first.config.group_size)
         held = [c.offset - c.recent_start for c in caches]
         packed = [c.q_end - s for c in caches]
         r_cap = _round_up(max(held) + RECENT_SPARE, first.recent_step)
@@ -126,10 +126,21 @@ class StackedDecode:
             [mx.stack([c.k.sink[:, :, :s], c.v.sink[:, :, :s]]) for c in caches], axis=1)
         recent = mx.concatenate(
             [_pad_rows(c._kv_recent[:, :, :, :n], r_cap) for c, n in zip(caches, held)], axis=1)
-        rows = mx.concatenate(
-            [_pad_rows(c._kv_rows[:, :, :, :n] if n > 0 else mx.zeros((2, 1, H, 0, width), mx.uint32), p_cap)
-             for c, n in zip(caches, packed)], axis=1)
-        mx.eval(sinks, recent, rows)
+        g = first.config.group_size
+        if first._pairs_packed:
+            width = row_width(first.k.dim, first.k.bits, g)
+            rows = (mx.concatenate(
+                [_pad_rows(c._kv_rows[:, :, :, :n] if n > 0 else mx.zeros((2, 1, H, 0, width), mx.uint32), p_cap)
+                 for c, n in zip(caches, packed)], axis=1),)
+        else:
+            rows = tuple(
+                mx.concatenate(
+                    [_pad_rows(getattr(c, side).rows[None, :, :, :n] if n > 0 else
+                               mx.zeros((1, 1, H, 0, row_width(first.k.dim, getattr(first, side).bits, g)), mx.uint32),
+                               p_cap)
+                     for c, n in zip(caches, packed)], axis=1)
+                for side in ("k", "v"))
+        mx.eval(sinks, recent, *rows)
         for c in caches:
             c._kv_recent = c.k.recent = c.v.recent = None
             c._kv_rows = c.k.rows = c.v.rows = None
@@ -146,16 +157,19 @@ class StackedDecode:
         held, packed = c.offset - c.recent_start, c.q_end - s
         c._kv_recent = mx.contiguous(self.recent[:, i : i + 1, :, : _round_up(max(held, 1), c.recent_step)])
         c.k.recent, c.v.recent = halves(c._kv_recent)
+        c._kv_rows = c.k.rows = c.v.rows = None
         if packed > 0:
-            c._kv_rows = mx.contiguous(self.rows[:, i : i + 1, :, : _round_up(packed, c.step)])
-            c.k.rows, c.v.rows = halves(c._kv_rows)
-        else:
-            c._kv_rows = c.k.rows = c.v.rows = None
+            mine = [mx.contiguous(r[:, i : i + 1, :, : _round_up(packed, c.step)]) for r in self.rows]
+            if len(mine) == 1:
+                c._kv_rows = mine[0]
+                c.k.rows, c.v.rows = halves(c._kv_rows)
+            else:
+                c.k.rows, c.v.rows = (r[0] for r in mine)
         c.k.sink, c.v.sink = (mx.contiguous(x) for x in halves(self.sinks[:, i : i + 1]))
         c._views = c._fresh = None
         c._attend_from = None if self.attend_from is None else self.attend_from[i]
         c._call_tokens = 1
-        mx.eval(c._kv_recent, c._kv_rows, c.k.sink, c.v.sink)
+        mx.eval(c._kv_recent, c.k.rows, c.v.rows, c.k.sink, c.v.sink)
         return c
 
     def unstack(self):
@@ -175,7 +189,8 @@ class StackedDecode:
         """Keep the sequences at indices ``keep``, in that order (one gather per buffer)."""
         keep = [int(i) for i in keep]
         idx = mx.array(np.array(keep, np.int32))
-        self.sinks, self.recent, self.rows = (mx.take(x, idx, axis=1) for x in (self.sinks, self.recent, self.rows))
+        self.sinks, self.recent = (mx.take(x, idx, axis=1) for x in (self.sinks, self.recent))
+        self.rows = tuple(mx.take(r, idx, axis=1) for r in self.rows)
         for name in PER_SEQUENCE:
             setattr(self, name, [getattr(self, name)[i] for i in keep])
         if self.attend_from is not None:
@@ -187,7 +202,8 @@ class StackedDecode:
         dtype and head shape)."""
         a, b = self.caches[0], other.caches[0]
         return (a.config == b.config and a.layer_idx == b.layer_idx and self.dtype == other.dtype
-                and self.sinks.shape[2:] == other.sinks.shape[2:] and self.rows.shape[4] == other.rows.shape[4])
+                and self.sinks.shape[2:] == other.sinks.shape[2:]
+                and [r.shape[4] for r in self.rows] == [r.shape[4] for r in other.rows])
 
     def extend(self, other: "StackedDecode"):
         """Append the sequences of ``other`` (one copy of each buffer, padded to the larger
@@ -195,10 +211,11 @@ class StackedDecode:
         if self.attend_from is not None or other.attend_from is not None:
             raise ValueError("cannot extend a stacked batch between a write and its attention")
         r_cap = max(self.recent.shape[3], other.recent.shape[3])
-        p_cap = max(self.rows.shape[3], other.rows.shape[3])
+        p_cap = max(self.rows[0].shape[3], other.rows[0].shape[3])
         self.sinks = mx.concatenate([self.sinks, other.sinks], axis=1)
         self.recent = mx.concatenate([_pad_rows(self.recent, r_cap), _pad_rows(other.recent, r_cap)], axis=1)
-        self.rows = mx.concatenate([_pad_rows(self.rows, p_cap), _pad_rows(other.rows, p_cap)], axis=1)
+        self.rows = tuple(mx.concatenate([_pad_rows(a, p_cap), _pad_rows(b, p_cap)], axis=1)
+                          for a, b in zip(self.rows, other.rows))
         for name in PER_SEQUENCE:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         other.caches = []
@@ -215,13 +232,14 @@ class StackedDecode:
 
     @property
     def nbytes(self) -> int:
-        return self.sinks.nbytes + self.recent.nbytes + self.rows.nbytes + sum(c.nbytes for c in self.caches)
+        return (self.sinks.nbytes + self.recent.nbytes + sum(r.nbytes for r in self.rows)
+                + sum(c.nbytes for c in self.caches))
 
     @property
     def state(self):
         # what evaluating the batch's state must evaluate (mlx-lm evaluates it after prefill;
         # the key signs carry a pipeline model's send, see OIQKVCache.keys)
-        return [self.sinks, self.recent, self.rows, self.caches[0].k.signs]
+        return [self.sinks, self.recent, *self.rows, self.caches[0].k.signs]
 
     # -- one decode step -----------------------------------------------------
 
@@ -269,16 +287,20 @@ class StackedDecode:
         s = self.config.sink_tokens
         a, b = self.q_end[i] - self.recent_start[i], target - self.recent_start[i]
         qa, qb = self.q_end[i] - s, target - s
-        if qb > self.rows.shape[3]:
-            self.rows = _pad_rows(self.rows, _round_up(qb, ROWS_STEP))
+        if qb > self.rows[0].shape[3]:
+            self.rows = tuple(_pad_rows(r, _round_up(qb, ROWS_STEP)) for r in self.rows)
         if c.config.positional and (c.k.needs_statistics or c.v.needs_statistics):
             self._estimate(i, c)
         c._kv_recent = self.recent[:, i : i + 1]
+        c.k.recent, c.v.recent = halves(c._kv_recent)
         try:
             block = c._quantize_rows(a, b)
         finally:
-            c._kv_recent = None
-        self.rows[:, i : i + 1, :, qa:qb] = block
+            c._kv_recent = c.k.recent = c.v.recent = None
+        # one write of both sides stacked, or one per side
+        blocks = [block] if len(self.rows) == 1 else [x[None] for x in block]
+        for r, x in zip(self.rows, blocks):
+            r[:, i : i + 1, :, qa:qb] = x
         self.q_end[i] = c.q_end = target
 
     def _estimate(self, i: int, c):
@@ -313,10 +335,15 @@ class StackedDecode:
         sink_k, sink_v = (self.k.sink, self.v.sink) if s else (None, None)
         quant = self._scales = None
         if n_p > 0:
-            codes, scales = split_rows(self.rows[:, :, :, :n_p], self.k.dim, self.k.bits, self.config.group_size)
-            (kc, vc), (ks, vs) = halves(codes), halves(scales)
+            g = self.config.group_size
+            if len(self.rows) == 1:
+                codes, scales = split_rows(self.rows[0][:, :, :, :n_p], self.k.dim, self.k.bits, g)
+                (kc, vc), (ks, vs) = halves(codes), halves(scales)
+                self._scales = scales
+            else:
+                (kc, ks), (vc, vs) = (split_rows(r[0, :, :, :n_p], side.dim, side.bits, g)
+                                      for r, side in zip(self.rows, (self.k, self.v)))
             quant = (kc, ks, vc, vs)
-            self._scales = scales
         recent_k, recent_v = halves(self.recent[:, :, :, a0:b0])
         # additive float32 (0: attend, -inf: not), the dtype the decode kernel reads: no conversion
         key = (s, n_p, a0, b0, tuple(start), tuple(self.recent_start), tuple(self.offsets))
@@ -340,7 +367,8 @@ class StackedDecode:
         self.attend_from = self._segments = None
 
     def packed_scales(self, n: int):
-        return self._scales[..., :n, :] if n > 0 else None
+        """Both sides' scales stacked, when keys and values share one packed buffer; else None."""
+        return self._scales[..., :n, :] if n > 0 and self._scales is not None else None
 
 
 def _pad_rows(x: mx.array, rows: int) -> mx.array:

@@ -1,6 +1,7 @@
 """BatchOIQKVCache against the same sequences run alone (mlx-lm 0.32 batch contract)."""
 
 import copy
+import dataclasses
 
 import mlx.core as mx
 import numpy as np
@@ -230,9 +231,10 @@ def test_prompt_cache_copies_and_counts_oiq_caches():
     # nbytes is every array the cache holds: no float copy of the packed tokens on the side
     for c in cache:
         assert c._attend_from is None
-        # keys and values share stacked buffers, of which c.k / c.v hold views: count those once
-        views = {id(a) for side in (c.k, c.v) for a in (side.recent, side.rows)}
-        assert c._kv_recent is not None and c._kv_rows is not None
+        # keys and values share the stacked window buffer, of which c.k / c.v hold views:
+        # count those once (the default K5V3 packs each side into its own buffer)
+        views = {id(a) for side in (c.k, c.v) for a in (side.recent,)}
+        assert c._kv_recent is not None and c._kv_rows is None and c.k.rows is not None
         assert c.nbytes == sum(a.nbytes for a in _held_arrays(c) if id(a) not in views)
     got, rest = lru.fetch_nearest_cache("m", tokens + [7, 8])
     assert rest == [7, 8]
@@ -307,8 +309,9 @@ def test_stacked_decode_equals_each_sequence_alone(cfg):
         _assert_same_storage(a, b)
 
 
-def test_stacked_state_holds_no_copy_and_nbytes_counts_it():
-    batch = OIQKVCache.merge([OIQKVCache(CFG) for _ in range(3)])
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, k_bits=4, v_bits=4)], ids=["K5V3", "K4V4"])
+def test_stacked_state_holds_no_copy_and_nbytes_counts_it(cfg):
+    batch = OIQKVCache.merge([OIQKVCache(cfg) for _ in range(3)])
     for i, c in enumerate(batch.caches):
         c.update_and_fetch(*_kv(i, 20 + 30 * i))
         c.release_fresh()
@@ -318,8 +321,12 @@ def test_stacked_state_holds_no_copy_and_nbytes_counts_it():
     assert st is not None
     # the sequences' buffers moved into the stacked ones (nothing held twice)
     for c in batch.caches:
-        assert c._kv_recent is None and c._kv_rows is None and c.k.sink is None
-    assert batch.nbytes == st.sinks.nbytes + st.recent.nbytes + st.rows.nbytes + sum(c.nbytes for c in batch.caches)
+        assert c._kv_recent is None and c._kv_rows is None and c.k.rows is None and c.v.rows is None
+        assert c.k.sink is None
+    # one packed buffer for both sides when they have the same bits, one per side otherwise
+    assert len(st.rows) == (1 if cfg.k_bits == cfg.v_bits else 2)
+    assert batch.nbytes == (st.sinks.nbytes + st.recent.nbytes + sum(r.nbytes for r in st.rows)
+                            + sum(c.nbytes for c in batch.caches))
     assert batch.nbytes < 3 * before
     mx.eval(batch.state)
 

@@ -263,9 +263,10 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
         assert worst <= cfg.sink_tokens + window + cache.reserve + 16, (worst, cache.reserve)
         # and fp16 (the model's dtype) nbytes counts exactly these rows, at 2 bytes
         fp_rows = 2 * 2 * (cache.k.sink.shape[2] + cache.k.recent.shape[2]) * 64 * 2
-        assert cache.nbytes == fp_rows + cache._kv_rows.nbytes + sum(
+        packed = [cache._kv_rows] if cache._kv_rows is not None else [cache.k.rows, cache.v.rows]
+        assert cache.nbytes == fp_rows + sum(a.nbytes for a in packed) + sum(
             a.nbytes for side in (cache.k, cache.v) for a in (side.mean, side.signs, side.lam) if a is not None
-        ) + sum(a.nbytes for a in cache._stacked if a is not None)
+        ) + sum(a.nbytes for a in (cache._stacked or ()) if a is not None)
 
 
 @pytest.mark.parametrize(
@@ -511,7 +512,7 @@ def test_seed_and_rotation_options():
     assert not mx.array_equal(caches["seed0"].k.codes, caches["seed1"].k.codes)
     assert mx.array_equal(caches["nosigns"].k.signs, mx.ones((64,)))
     # rotation="none" is plain group abs-max on the raw vectors
-    codes, scales = quantize(k, 4, 32)
+    codes, scales = quantize(k, OIQConfig().k_bits, 32)
     assert mx.array_equal(caches["none"].k.codes[:, :, :40], codes)
     assert mx.array_equal(caches["none"].k.scales[:, :, :40], scales)
     # the signs depend on the layer too, and every layer's keys and values differ

@@ -59,7 +59,7 @@ def test_oiq_cache_file_keeps_its_config_and_answers(demo, tmp_path):
     r = _run("oiq_mlx.cache_prompt", "--model", "demo", "--k-bits", "3", "--window", "16",
              "--prompt-cache-file", str(path), "--prompt", DOCUMENT)
     assert r.returncode == 0, r.stderr
-    assert "KV cache (OIQ K3V4 g32): " in r.stderr
+    assert "KV cache (OIQ K3V3 g32): " in r.stderr
     install()  # registers OIQKVCache with mlx-lm's loader
     cache, metadata = load_prompt_cache(str(path), return_metadata=True)
     assert metadata["model"] == "demo"
@@ -71,7 +71,7 @@ def test_oiq_cache_file_keeps_its_config_and_answers(demo, tmp_path):
     assert answer.returncode == 0, answer.stderr
     assert "Martha" in answer.stdout, answer.stdout
     n_question = int(answer.stderr.split("Prompt: ")[1].split(" tokens")[0])
-    assert "KV cache (OIQ K3V4 g32): " in answer.stderr
+    assert "KV cache (OIQ K3V3 g32): " in answer.stderr
     n_generated = int(answer.stderr.split("Generation: ")[1].split(" tokens")[0])
     # the document, the question and the generated tokens (mlx-lm feeds the last one too)
     assert f"at these {n_doc + n_question + n_generated} tokens" in answer.stderr

@@ -39,8 +39,10 @@ def _model(layers=4, hard_layer=None):
 def test_default_choices():
     assert default_choices(OIQConfig.preset("2bit")) == [(2, 2), (3, 3)]
     assert default_choices(OIQConfig.preset("3bit")) == [(2, 2), (3, 3), (4, 4)]
-    assert default_choices(OIQConfig.preset("4bit")) == [(3, 3), (4, 4)]
+    assert default_choices(OIQConfig.preset("4bit")) == [(4, 2), (5, 3), (6, 4)]
+    assert default_choices(OIQConfig(k_bits=4, v_bits=4)) == [(3, 3), (4, 4), (5, 5)]
     assert default_choices(OIQConfig(k_bits=2, v_bits=3)) == [(2, 3), (3, 4)]
+    assert default_choices(OIQConfig(k_bits=6, v_bits=6)) == [(5, 5), (6, 6)]
     with pytest.raises(ValueError, match="K8V8; pass choices"):
         default_choices(OIQConfig(k_bits=8, v_bits=8))
 

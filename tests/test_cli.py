@@ -199,4 +199,4 @@ def test_cache_label_names_bits_layers_and_positional():
     assert cache_label([KVCache()]) == "full precision"
     assert cache_label([OIQKVCache(OIQConfig.preset("3bit"))]) == "OIQ K3V3 g32"
     assert cache_label([OIQKVCache(OIQConfig(positional=True, layer_bits="1:8:8"))]) == \
-        "OIQ K4V4 g32, layers 1:K8V8, positional"
+        "OIQ K5V3 g32, layers 1:K8V8, positional"

@@ -50,7 +50,8 @@ def test_reference_path_dispatches(preset, mlx_q4):
     blocks = STEPS // OIQKVCache.flush_block
     assert r["per_step"].count(r["min"]) >= STEPS - 2 * blocks, r["per_step"]
     assert r["max"] <= 50, r
-    assert r["mean"] <= mlx_q4["mean"] + 6, r
+    # K5V3 (4bit) quantizes each side in its own pass on packing steps
+    assert r["mean"] <= mlx_q4["mean"] + 6.5, r
 
 
 def test_only_block_steps_quantize():
@@ -75,19 +76,26 @@ def test_metal_path_dispatches(preset, dtype):
     and value, one slice update into the window keys and values share, the two attention kernels;
     the merge kernel writes the queries' dtype, so no cast follows).  The step that packs a block of
     16 rows adds the fused quantize kernel, reading the rows where they lie in the window buffer,
-    and one slice update of the packed rows (codes and scales joined): 6.  A step that compacts the
-    window buffer (the step after a packing step, which drops the block's dead rows so that the
-    buffer stays at window + reserve + one block), or grows the packed buffer (the step before a
-    packing step that needs room, one per 256 rows packed), adds an allocation and a copy: 6.  Nothing is cast,
-    stacked or made contiguous on any step."""
+    and one slice update of the packed rows (codes and scales joined): 6 where keys and values
+    have the same bits and share one packed buffer (3bit, 2bit); `4bit` stores keys at 5 bits and
+    values at 3, rows of different widths in two buffers, so that step launches one quantize
+    kernel and one write per side: 8.  A step that compacts the window buffer (the step after a
+    packing step, which drops the block's dead rows so that the buffer stays at window + reserve +
+    one block), or grows the packed buffer (the step before a packing step that needs room, one per
+    256 rows packed), adds an allocation and a copy: 6.  Nothing is cast, stacked or made
+    contiguous on any step."""
+    cfg = OIQConfig.preset(preset)
+    pack = 6 if cfg.k_bits == cfg.v_bits else 8
     r = _counts(f"oiq-{preset}", kernels=True, dtype=dtype, steps=20 * OIQKVCache.flush_block)
     assert r["min"] == 4, r["breakdown"]
     assert r["breakdown"]["kernel"] == 2 and "Hadamard" not in r["breakdown"], r["breakdown"]
     for n, g in zip(r["per_step"], r["breakdowns"]):
         assert not {"AsType", "Concatenate", "Contiguous", "Hadamard"} & set(g), g
-        assert n <= 6, g
+        assert n <= pack, g
     assert sum(1 for g in r["breakdowns"] if g.get("Full")) >= 2, "no step grew or compacted a buffer"
-    assert r["per_step"].count(6) >= 32 and r["mean"] <= 4.3, r["per_step"]
+    # per block of 16 steps: 14 steady steps, the packing step and the compacting step
+    assert r["per_step"].count(pack) >= 16, r["per_step"]
+    assert r["mean"] <= 4 + (pack - 4 + 2) / OIQKVCache.flush_block + 0.05, r["per_step"]
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference", "metal"])

@@ -107,9 +107,10 @@ def qwen2_fidelity():
 
 def test_qwen2_biased_keys_presets_beat_plain(qwen2_fidelity):
     cos = qwen2_fidelity
-    # measured: 4-bit plain 0.964, preset 0.996, mlx-lm 4-bit g64 0.80 (same bytes/token);
-    # 3-bit plain 0.840, preset 0.986; 2-bit plain 0.570, preset 0.952
-    assert cos["preset:4bit"] >= 0.995
+    # measured: 4-bit plain 0.964, preset 0.991 (K5V3; K4V4 had 0.996: 3-bit values cost
+    # attention-output cosine, while 5-bit keys lower the end-to-end KL, README), mlx-lm 4-bit
+    # g64 0.80 (same bytes/token); 3-bit plain 0.840, preset 0.986; 2-bit plain 0.570, preset 0.952
+    assert cos["preset:4bit"] >= 0.99
     assert cos["preset:4bit"] > cos["oiq-plain-4"] + 0.02
     assert cos["preset:4bit"] > cos["mlx-q4-g64"]
     for bits in (3, 2):

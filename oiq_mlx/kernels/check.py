@@ -165,7 +165,7 @@ def decode_cases():
 
 def codec_cases():
     return [dict(d=d, bits=bits, group_size=32, dtype=dtype, tokens=512)
-            for d in DIMS for bits in (4, 3, 2) for dtype in (mx.float16, mx.bfloat16)]
+            for d in DIMS for bits in (5, 4, 3, 2) for dtype in (mx.float16, mx.bfloat16)]
 
 
 def run_all(iters: int = 20, decode=None, codecs=None):
