@@ -71,7 +71,8 @@ def main(argv=None):
                         "gives the same answers up to float rounding")
     p.add_argument("--json", default=None, help="results file, rewritten after every trial")
     p.add_argument("--markdown", default=None, help="also write the markdown report to this file")
-    p.add_argument("--resume", action="store_true", help="keep the trials already in --json (same plan) and run the rest")
+    p.add_argument("--resume", action="store_true", help="keep the trials already in --json (same plan) and run the rest; on finished trials, run "
+                        "only the caches that are new or whose configuration changed (fp answers are reused)")
     args = p.parse_args(argv)
     base = QUICK if args.quick else FULL
     lengths = args.lengths or base["lengths"]
