@@ -772,7 +772,7 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
     ``done``: records of an earlier run of the same plan (by trial index);
     ``done_specs``: that run's ``specs`` (name -> :meth:`CacheSpec.to_dict`).  A
     cache's stored result is kept instead of rerun when its name was run with
-    the same configuration (so fp results are reused when caches are added, and
+    the same configuration, descriptions aside (so fp results are reused when caches are added, and
     a cache whose configuration changed under the same name runs again);
     without ``done_specs`` (a file from before they were recorded) a record is
     kept only when it has every cache.  ``checkpoint(result)`` is called after
@@ -789,7 +789,7 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
         have = set(old_rec["results"])
         if done_specs is None:
             return set(names) if have >= set(names) else set()
-        return {n for n in names if n in have and done_specs.get(n) == spec_dicts[n]}
+        return {n for n in names if n in have and _same_config(done_specs.get(n), spec_dicts[n])}
 
     def todo(t) -> list:
         return [s for s in specs if s.name not in reusable(done[t.index])] if t.index in done else list(specs)
@@ -833,6 +833,14 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
                                             prefill_step_size, share_prefill, haystacks))
     return _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat,
                                 prefill_step_size, share_prefill, haystacks)
+
+
+def _same_config(a, b) -> bool:
+    """Two :meth:`CacheSpec.to_dict` records describe the same cache: equal but for the
+    description, which is prose (a reworded description must not rerun a finished run)."""
+    if a is None or b is None:
+        return False
+    return {k: v for k, v in a.items() if k != "description"} == {k: v for k, v in b.items() if k != "description"}
 
 
 def _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat, prefill_step_size,

@@ -179,8 +179,11 @@ def cache_registry() -> dict[str, CacheSpec]:
     for b in (4, 3, 2):
         specs.append(CacheSpec(f"oiq-plain-{b}", "oiq", b, 32, _plain(b), f"OIQ {b}-bit g32, no sinks/window/centering"))
     for b in (4, 3, 2):
-        specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, OIQConfig.preset(f"{b}bit"),
-                               f"OIQ preset '{b}bit' (sinks 4, window 64, key mean + scaling{', clip' if b < 4 else ''})"))
+        cfg = OIQConfig.preset(f"{b}bit")
+        extras = "".join(x for x, on in ((", value mean", cfg.center_values), (", clip", cfg.clip)) if on)
+        specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, cfg,
+                               f"OIQ preset '{b}bit' (K{cfg.k_bits}V{cfg.v_bits} g32, sinks {cfg.sink_tokens}, "
+                               f"window {cfg.window}, key mean + scaling {cfg.key_scaling}{extras})"))
     specs.append(CacheSpec("oiq-8", "oiq", 8, 32, OIQConfig(k_bits=8, v_bits=8), "OIQ 8-bit g32, defaults"))
     return {s.name: s for s in specs}
 

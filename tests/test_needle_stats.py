@@ -241,9 +241,13 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     assert all(r["results"]["fp"] == o["results"]["fp"] and r["results"]["oiq-4"] == o["results"]["oiq-4"]
                for r, o in zip(res3["records"], res["records"]))
     ran.clear()
-    changed = dict(res3["specs"], fp=dict(res3["specs"]["fp"], description="another fp"))
+    changed = dict(res3["specs"], fp=dict(res3["specs"]["fp"], bits=8))
     ev.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, **kw)
     assert ran == [["fp"]] * 24
+    ran.clear()  # a reworded description is not another configuration
+    reworded = dict(res3["specs"], fp=dict(res3["specs"]["fp"], description="another fp"))
+    ev.needle_stats(None, tok, added, done=res3["records"], done_specs=reworded, **kw)
+    assert ran == []
     ran.clear()
     ev.needle_stats(None, tok, added, done=res3["records"], done_specs=None, **kw)
     assert ran == []  # a file without specs: records that have every cache are kept whole
