@@ -776,7 +776,8 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
     a cache whose configuration changed under the same name runs again);
     without ``done_specs`` (a file from before they were recorded) a record is
     kept only when it has every cache.  ``checkpoint(result)`` is called after
-    each trial so a stopped run keeps what it measured.  Returns a
+    each trial so a stopped run keeps what it measured (and the earlier run's
+    trials not reached yet, as they were).  Returns a
     JSON-serialisable dict with the per-trial ``records`` and the ``summary``."""
     progress = progress or Progress(enabled=False)
     plan = plan_needle_trials(tokenizer, haystacks, lengths, depths, trials, seed=seed, chat=chat)
@@ -829,8 +830,11 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
         progress(f"trial {t.index + 1}/{len(plan)} len {t.length} depth {t.depth:.2f} {t.text}@{t.offset} "
                  f"key {t.passkey}: {verdicts}; ETA {_eta(spent, total, time.perf_counter() - t0)}")
         if checkpoint is not None:
-            checkpoint(_needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat,
-                                            prefill_step_size, share_prefill, haystacks))
+            # the earlier run's trials not reached yet stay in the file: stopping again loses nothing
+            visited = {r["index"] for r in records}
+            pending = [done[i] for i in sorted(done) if i not in visited]
+            checkpoint(_needle_stats_result(records + pending, names, recorded_specs, plan, lengths, depths, trials,
+                                            seed, chat, prefill_step_size, share_prefill, haystacks))
     return _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat,
                                 prefill_step_size, share_prefill, haystacks)
 
@@ -852,7 +856,8 @@ def _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, 
         "depths": list(depths),
         "trials_per_cell": trials,
         "planned": len(plan),
-        "completed": len(records),
+        # trials every named cache has run (a checkpoint also holds an earlier run's trials as they were)
+        "completed": sum(all(n in r["results"] for n in names) for r in records),
         "seed": seed,
         "chat": chat,
         "prefill_step_size": prefill_step_size,

@@ -236,8 +236,14 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     monkeypatch.setattr(ev, "trial_answers", lambda m, t, ids, specs, **k: ran.append([s.name for s in specs])
                         or answers(m, t, ids, specs, **k))
     added = [parse_spec("fp"), parse_spec("oiq-3")]
-    res3 = ev.needle_stats(None, tok, added, done=res["records"], done_specs=res["specs"], **kw)
+    saved = []
+    res3 = ev.needle_stats(None, tok, added, done=res["records"], done_specs=res["specs"], checkpoint=saved.append,
+                           **kw)
     assert ran == [["oiq-3"]] * 24 and res3["specs"].keys() == {"fp", "oiq-4", "oiq-3"}
+    # a run stopped after its first trial keeps the earlier run's other 23 trials in its file
+    first = saved[0]
+    assert first["completed"] == 1 and [r["index"] for r in first["records"]] == list(range(24))
+    assert [sorted(r["results"]) for r in first["records"][:2]] == [["fp", "oiq-3", "oiq-4"], ["fp", "oiq-4"]]
     assert all(r["results"]["fp"] == o["results"]["fp"] and r["results"]["oiq-4"] == o["results"]["oiq-4"]
                for r, o in zip(res3["records"], res["records"]))
     ran.clear()
