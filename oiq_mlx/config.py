@@ -188,7 +188,7 @@ class OIQConfig:
         ========  =======  ========  ==================================
         name      d = 64   d = 128   what
         ========  =======  ========  ==================================
-        ``4bit``  72       144       K4 V4 g32, key mean, key scaling 0.5
+        ``4bit``  72       144       K5 V3 g32, key mean, key scaling 0.5
         ``3bit``  56       112       K3 V3 g32, + MSE-clipped scales, key scaling 0.75
         ``2bit``  40       80        K2 V2 g32, + clipped scales, value mean, window 128
         ========  =======  ========  ==================================

@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default=None,
                         help="comma-separated context lengths, k suffix allowed (default: 512,1k,2k,4k,8k,16k,32k, "
                              "those the model allows; --quick: 512,2k)")
-    parser.add_argument("--oiq-bits", default="4,3,2", help="OIQ settings to run, k_bits = v_bits each (default 4,3,2)")
+    parser.add_argument("--oiq-bits", default="4,3,2", help="OIQ settings to run: the preset of that name where one exists (4: the 4bit preset, "
+                             "K5V3), else k_bits = v_bits at those bits (default 4,3,2)")
     parser.add_argument("--mlx-bits", default="4,8",
                         help="mlx-lm QuantizedKVCache bit widths, group 64 (default 4,8; empty string: none)")
     parser.add_argument("--group-size", type=int, default=None, help="OIQ group size, replacing the presets' (32)")
