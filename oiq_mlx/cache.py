@@ -451,6 +451,32 @@ class OIQKVCache(_BaseCache):
         k, v = self.k, self.v
         return (k.bits, k.dim, k.clip) == (v.bits, v.dim, v.clip)
 
+    def packed_layout(self) -> list:
+        """``(lead, width)`` of each packed buffer, each with a leading side axis: ``[(2, W)]``
+        when keys and values share one (:attr:`_pairs_packed`), else ``[(1, W_k), (1, W_v)]``."""
+        g = self.config.group_size
+        if self._pairs_packed:
+            return [(2, row_width(self.k.dim, self.k.bits, g))]
+        return [(1, row_width(side.dim, side.bits, g)) for side in (self.k, self.v)]
+
+    def packed_buffers(self) -> list:
+        """The packed rows in :meth:`packed_layout`'s order, each with its leading side axis
+        (None for a side with none)."""
+        if self._pairs_packed:
+            return [self._kv_rows]
+        return [None if side.rows is None else side.rows[None] for side in (self.k, self.v)]
+
+    def set_packed_buffers(self, bufs):
+        """Hold packed rows laid out as :meth:`packed_buffers` returns them (None: none)."""
+        self._kv_rows = self.k.rows = self.v.rows = None
+        if bufs is None:
+            return
+        if len(bufs) == 1:
+            self._kv_rows = bufs[0]
+            self.k.rows, self.v.rows = halves(self._kv_rows)
+        else:
+            self.k.rows, self.v.rows = (b[0] for b in bufs)
+
     def _flush(self, bh):
         """Quantize the block(s) of tokens that left the full-precision window."""
         target = self.packed_end(self.offset)
@@ -545,18 +571,17 @@ class OIQKVCache(_BaseCache):
 
     def _packed_room(self, used: int, needed: int, bh):
         """Make the packed buffers hold ``needed`` rows, keeping their first ``used``."""
-        g = self.config.group_size
+        layout = self.packed_layout()
         if self._pairs_packed:
             old = self._kv_rows
-            width = (row_width(self.k.dim, self.k.bits, g),)
-            self._kv_rows = _grow(old, used, needed, self.step, width, mx.uint32, (2, *bh))
+            self._kv_rows = _grow(old, used, needed, self.step, (layout[0][1],), mx.uint32, (2, *bh))
             if self._kv_rows is not old:
                 self.k.rows, self.v.rows = halves(self._kv_rows)
                 self._views = None
             return
-        for side in (self.k, self.v):
+        for side, (_, width) in zip((self.k, self.v), layout):
             old = side.rows
-            side.rows = _grow(old, used, needed, self.step, (row_width(side.dim, side.bits, g),), mx.uint32, bh)
+            side.rows = _grow(old, used, needed, self.step, (width,), mx.uint32, bh)
             if side.rows is not old:
                 self._views = None
 
@@ -892,8 +917,7 @@ class OIQKVCache(_BaseCache):
             self._kv_recent = mx.stack([k.recent, v.recent])
             k.recent, v.recent = halves(self._kv_recent)
         if self._pairs_packed and k.rows is not None:
-            self._kv_rows = mx.stack([k.rows, v.rows])
-            k.rows, v.rows = halves(self._kv_rows)
+            self.set_packed_buffers([mx.stack([k.rows, v.rows])])
             self._views = None
 
 

@@ -33,7 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from .cache import _SELECT_FIRST, _ZERO, HostMemo, _center_pair, halves, pad_last
-from .codec import row_width, split_rows
+from .codec import split_rows
 
 # spare rows the stacked buffers are allocated with, so that growing is rare
 RECENT_SPARE = 32
@@ -126,16 +126,16 @@ class StackedDecode:
             [mx.stack([c.k.sink[:, :, :s], c.v.sink[:, :, :s]]) for c in caches], axis=1)
         recent = mx.concatenate(
             [_pad_rows(c._kv_recent[:, :, :, :n], r_cap) for c, n in zip(caches, held)], axis=1)
-        owned = [_row_buffers(c) for c in caches]
+        owned = [c.packed_buffers() for c in caches]
         rows = tuple(
             mx.concatenate(
                 [_pad_rows(bufs[j][:, :, :, :n] if n > 0 else mx.zeros((lead, 1, H, 0, width), mx.uint32), p_cap)
                  for bufs, n in zip(owned, packed)], axis=1)
-            for j, (lead, width) in enumerate(_row_layout(first)))
+            for j, (lead, width) in enumerate(first.packed_layout()))
         mx.eval(sinks, recent, *rows)
         for c in caches:
             c._kv_recent = c.k.recent = c.v.recent = None
-            _set_row_buffers(c, None)
+            c.set_packed_buffers(None)
             c.k.sink = c.v.sink = None
             c._views = None
         return cls(caches, sinks, recent, rows)
@@ -149,8 +149,8 @@ class StackedDecode:
         held, packed = c.offset - c.recent_start, c.q_end - s
         c._kv_recent = mx.contiguous(self.recent[:, i : i + 1, :, : _round_up(max(held, 1), c.recent_step)])
         c.k.recent, c.v.recent = halves(c._kv_recent)
-        _set_row_buffers(c, [mx.contiguous(r[:, i : i + 1, :, : _round_up(packed, c.step)]) for r in self.rows]
-                         if packed > 0 else None)
+        c.set_packed_buffers([mx.contiguous(r[:, i : i + 1, :, : _round_up(packed, c.step)]) for r in self.rows]
+                             if packed > 0 else None)
         c.k.sink, c.v.sink = (mx.contiguous(x) for x in halves(self.sinks[:, i : i + 1]))
         c._views = c._fresh = None
         c._attend_from = None if self.attend_from is None else self.attend_from[i]
@@ -355,34 +355,6 @@ class StackedDecode:
     def packed_scales(self, n: int):
         """Both sides' scales stacked, when keys and values share one packed buffer; else None."""
         return self._scales[..., :n, :] if n > 0 and self._scales is not None else None
-
-
-def _row_layout(c) -> list:
-    """``(lead, width)`` of each packed buffer of cache ``c`` as the stacked batch holds it:
-    ``[(2, W)]`` when keys and values share one (equal bits), else ``[(1, W_k), (1, W_v)]``."""
-    g = c.config.group_size
-    if c._pairs_packed:
-        return [(2, row_width(c.k.dim, c.k.bits, g))]
-    return [(1, row_width(side.dim, side.bits, g)) for side in (c.k, c.v)]
-
-
-def _row_buffers(c) -> list:
-    """Cache ``c``'s packed rows in :func:`_row_layout`'s order, each with its leading side axis."""
-    if c._pairs_packed:
-        return [c._kv_rows]
-    return [None if side.rows is None else side.rows[None] for side in (c.k, c.v)]
-
-
-def _set_row_buffers(c, bufs):
-    """Give cache ``c`` packed rows laid out as :func:`_row_buffers` returns them (None: none)."""
-    c._kv_rows = c.k.rows = c.v.rows = None
-    if bufs is None:
-        return
-    if len(bufs) == 1:
-        c._kv_rows = bufs[0]
-        c.k.rows, c.v.rows = halves(c._kv_rows)
-    else:
-        c.k.rows, c.v.rows = (b[0] for b in bufs)
 
 
 def _pad_rows(x: mx.array, rows: int) -> mx.array:
