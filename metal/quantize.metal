@@ -5,8 +5,9 @@
 // head) of D values, lane l owning values [l*E, (l+1)*E).  Template: T (input
 // dtype), D, ROWS.  params: bits, group size, rotate, clip, rows per lam row
 // (0: no key scales), rows per signs row, round (cast the rotated row back to
-// T before quantizing, as rotation.rotate does for T input), joined; all
-// uniform over the launch, so their branches and loop bounds are too.
+// T before quantizing, as rotation.rotate does for T input), joined, align
+// (store sum(y*y) / sum(y*u) as the scale of the codes chosen, codec.quantize);
+// all uniform over the launch, so their branches and loop bounds are too.
 // Inputs (the kernel is built without ensure_row_contiguous: every input is
 // read through its strides, none is copied before the launch):
 //   x (..., D): N = prod(leading axes) rows, any strides (a slice of the
@@ -39,6 +40,7 @@ int rows_per_lam = params[4];
 int rows_per_signs = params[5];
 bool round_to_input = params[6] != 0;
 bool joined = params[7] != 0;
+bool align = params[8] != 0;
 int W = D * bits / 32;
 int G = D / group;
 int row_words = joined ? W + (G + 1) / 2 : W;
@@ -135,9 +137,34 @@ if (clip) {
   }
 }
 float scale = float(scale_h);
+float yy[E];
+float yu[E];
 for (int e = 0; e < E; e++) {
   float c = scale > 0.0f ? clamp(rint(y[e] / scale + half_levels), 0.0f, 2.0f * half_levels) : 0.0f;
   tg_codes[r * D + lane * E + e] = uchar(c);
+  yy[e] = y[e] * y[e];
+  yu[e] = y[e] * (c - half_levels);
+}
+if (align) {
+  // codec.quantize(align=True): the scale sum(y*y) / sum(y*u) for these codes, both sums
+  // neighbours first as the clip search's errors; a zero group keeps its scale (0), and so
+  // does one whose sums overflow
+  for (int h = 1; h < E; h <<= 1) {
+    for (int e = 0; e < E; e += 2 * h) {
+      yy[e] = yy[e] + yy[e + h];
+      yu[e] = yu[e] + yu[e + h];
+    }
+  }
+  float syy = yy[0];
+  float syu = yu[0];
+  for (ushort m = 1; m < lanes_per_group; m <<= 1) {
+    syy = syy + simd_shuffle_xor(syy, m);
+    syu = syu + simd_shuffle_xor(syu, m);
+  }
+  float ratio = syy / syu;
+  if (!bad && syu > 0.0f && isfinite(ratio)) {
+    scale_h = half(min(ratio, 65504.0f));
+  }
 }
 // Every lane of a group holds the group's scale (the reductions above are
 // butterflies over the group's lanes).

@@ -605,7 +605,8 @@ class OIQKVCache(_BaseCache):
         rotate = cfg.rotation != "none"
         if not (stacked and self._pairs_packed):
             return [dispatch.quantize_rows(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip,
-                                           lam=s.lam, signs=s.signs, rotate=rotate, joined=True)
+                                           lam=s.lam, signs=s.signs, rotate=rotate, joined=True,
+                                           align=cfg.align_scales)
                     for s in (k, v)]
         if self._stacked is None:
             # per-layer constants of the stacked pass, built once (statistics never change after
@@ -618,7 +619,7 @@ class OIQKVCache(_BaseCache):
             mx.eval(self._stacked)
         lam, signs = self._stacked
         return dispatch.quantize_rows(self._kv_recent[:, :, :, a:b], k.bits, cfg.group_size, clip=k.clip, lam=lam,
-                                      signs=signs, rotate=rotate, joined=True)
+                                      signs=signs, rotate=rotate, joined=True, align=cfg.align_scales)
 
     def packed_scales(self, n: int):
         """Both sides' scales of the first ``n`` packed rows, stacked ``(2, B, H, n, groups)``

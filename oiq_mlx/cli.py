@@ -116,6 +116,9 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
                    help="keep everything in full precision until the cache holds this many tokens")
     o.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
                    help="MSE-optimal clipped group scales instead of abs-max (helps at 2-3 bits)")
+    o.add_argument("--align-scales", action=argparse.BooleanOptionalAction, default=None,
+                   help="store each group's scale so that it keeps its length along itself (no shrinkage "
+                        "of the scores of matching keys); see OIQConfig")
     o.add_argument("--center-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="subtract the per-channel key mean (exact for attention)")
     o.add_argument("--center-values", action=argparse.BooleanOptionalAction, default=None,
@@ -179,6 +182,7 @@ _OIQ_FIELDS = {
     "window": "window",
     "quantize_after": "quantize_after",
     "clip": "clip",
+    "align_scales": "align_scales",
     "center_keys": "center_keys",
     "center_values": "center_values",
     "key_scaling": "key_scaling",

@@ -97,6 +97,13 @@ class OIQConfig:
             this many tokens (mlx-lm's ``quantized_kv_start``).
         clip: choose each group's scale by a per-group MSE search instead of
             abs-max (helps at 2-3 bits).
+        align_scales: keep the codes so chosen but store for each group the
+            scale ``sum(y*y) / sum(y*u)`` (``u``: the codes centred), so that
+            the stored group has the length the rotated vector has along itself
+            (``codec.quantize(align=True)``).  The MSE-chosen scale shrinks
+            groups, which lowers most the score of the key that best matches a
+            query: retrieval loses its needle first (README "Choosing a
+            configuration").
         center_keys, center_values: subtract a per-head, per-channel mean
             (estimated on the first chunk written to the cache, usually the
             prompt) before quantizing.  Exact for attention: a key shift changes
@@ -142,6 +149,7 @@ class OIQConfig:
     window: int = 64
     quantize_after: int = 0
     clip: bool = False
+    align_scales: bool = False
     center_keys: bool = True
     center_values: bool = False
     trim_reserve: int = 16
@@ -162,7 +170,7 @@ class OIQConfig:
             raise ValueError(f"key_scaling must be a number in [0, 1], got {self.key_scaling!r}")
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation={self.rotation!r} is not one of {ROTATIONS}")
-        for name in ("clip", "center_keys", "center_values", "positional"):
+        for name in ("clip", "align_scales", "center_keys", "center_values", "positional"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "layer_bits", _parse_layer_bits(self.layer_bits))
@@ -249,6 +257,7 @@ class OIQConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         # configs written before the field existed stored what positional=False does
         fields.setdefault("positional", False)
+        fields.setdefault("align_scales", False)  # likewise: scales as the codes' search chose them
         unknown, missing = sorted(set(fields) - known), sorted(known - set(fields))
         if unknown or missing:
             # a default filled in for a missing field could silently change how the cache stores

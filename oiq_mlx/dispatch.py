@@ -76,8 +76,8 @@ def quantize(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool 
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_quantize(bits: int, group_size: int, clip: bool):
-    return mx.compile(functools.partial(codec.quantize, bits=bits, group_size=group_size, clip=clip))
+def _compiled_quantize(bits: int, group_size: int, clip: bool, align: bool):
+    return mx.compile(functools.partial(codec.quantize, bits=bits, group_size=group_size, clip=clip, align=align))
 
 
 @functools.partial(mx.compile, shapeless=True)
@@ -89,14 +89,14 @@ _ONE = mx.array(1.0, mx.float32)
 
 
 def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | None, signs: mx.array,
-                  rotate: bool = True, clip: bool = False, joined: bool = False):
+                  rotate: bool = True, clip: bool = False, joined: bool = False, align: bool = False):
     """Codes and scales of window rows entering the packed segment of a cache: one fused
     kernel (key scaling, sign flip, Walsh-Hadamard, abs-max or clip search, rounding,
     packing) when one serves the call, else the reference.
 
     Equals ``codec.quantize(rotation.rotate(x.astype(float32) / lam, signs), bits, group_size,
-    clip=clip)`` (``codec.quantize(x / lam * signs, ...)`` with ``rotate`` False), codes and
-    scales bit-exact.
+    clip=clip, align=align)`` (``codec.quantize(x / lam * signs, ...)`` with ``rotate`` False),
+    codes and scales bit-exact.
 
     Args:
         x: ``(..., n, d)`` rows as the window holds them (centered, model dtype); a slice of
@@ -110,11 +110,11 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
     if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
             and codec_shape_ok(x.shape[-1], bits, group_size)):
         return kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
-                                    clip=clip, joined=joined)
+                                    clip=clip, joined=joined, align=align)
     y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
     if rotate:
         y = rotation.hadamard(y)
-    out = _compiled_quantize(bits, group_size, clip)(y)
+    out = _compiled_quantize(bits, group_size, clip, align)(y)
     return codec.join_rows(*out) if joined else out
 
 

@@ -139,7 +139,7 @@ class CacheSpec:
         args = ["--k-bits", str(cfg.k_bits), "--v-bits", str(cfg.v_bits), "--group-size", str(cfg.group_size),
                 "--rotation-seed", str(cfg.seed), "--sink-tokens", str(cfg.sink_tokens), "--window", str(cfg.window),
                 "--quantize-after", str(cfg.quantize_after), "--key-scaling", str(cfg.key_scaling)]
-        for name in ("clip", "center_keys", "center_values", "positional"):
+        for name in ("clip", "align_scales", "center_keys", "center_values", "positional"):
             flag = name.replace("_", "-")
             args.append(f"--{flag}" if getattr(cfg, name) else f"--no-{flag}")
         if cfg.layer_bits:
@@ -180,7 +180,8 @@ def cache_registry() -> dict[str, CacheSpec]:
         specs.append(CacheSpec(f"oiq-plain-{b}", "oiq", b, 32, _plain(b), f"OIQ {b}-bit g32, no sinks/window/centering"))
     for b in (4, 3, 2):
         cfg = OIQConfig.preset(f"{b}bit")
-        extras = "".join(x for x, on in ((", value mean", cfg.center_values), (", clip", cfg.clip)) if on)
+        extras = "".join(x for x, on in ((", value mean", cfg.center_values), (", clip", cfg.clip),
+                                         (", aligned scales", cfg.align_scales)) if on)
         specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, cfg,
                                f"OIQ preset '{b}bit' (K{cfg.k_bits}V{cfg.v_bits} g32, sinks {cfg.sink_tokens}, "
                                f"window {cfg.window}, key mean + scaling {cfg.key_scaling}{extras})"))

@@ -1,5 +1,6 @@
 """OIQKVCache: attention correctness, storage, mlx-lm contract (tiny random models)."""
 
+import json
 import threading
 import warnings
 
@@ -279,6 +280,7 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
         (dict(sink_tokens=1.5), "sink_tokens must be an integer"),
         (dict(rotation="random"), "rotation='random'"),
         (dict(clip="yes"), "clip must be True or False"),
+        (dict(align_scales=1), "align_scales must be True or False"),
         (dict(key_scaling=2.0), "key_scaling must be a number in"),
         (dict(layer_bits="3:3"), "is not layer:k_bits:v_bits"),
         (dict(layer_bits="3:7:3"), "layer 3 k_bits=7 is not supported"),
@@ -561,3 +563,27 @@ def test_bytes_per_token_is_what_the_packed_rows_hold(k_bits, v_bits, group_size
     assert packed == cfg.bytes_per_token(head_dim) * 2 * cache.k.rows.shape[2]
     if (k_bits, v_bits, group_size, head_dim) == (2, 2, 64, 64):
         assert cfg.bytes_per_token(64) == OIQConfig(k_bits=2, v_bits=2, group_size=32).bytes_per_token(64) == 40
+
+
+@pytest.mark.parametrize("preset", ["3bit", "2bit"])
+def test_aligned_scales_keep_every_packed_vector_along_itself(preset):
+    """``align_scales``: each packed group keeps its projection on itself, so (the rotation
+    being orthogonal) each packed key and value, as attention reads it, has ``<x_hat, x> =
+    |x|^2`` up to the float16 scales; the clip search's own scales shrink it.  The field
+    survives JSON, and a config written before it existed reads as False (what such a cache did)."""
+    k = mx.random.normal((1, 2, 80, 64), key=mx.random.key(3))
+    ratio = {}
+    for align in (False, True):
+        cfg = OIQConfig.preset(preset, window=0, sink_tokens=0, center_keys=False, center_values=False,
+                               key_scaling=0.0, align_scales=align)
+        cache = OIQKVCache(cfg)
+        cache.update_and_fetch(k, k)
+        kd, vd = cache.dequantized_kv()
+        ratio[align] = [mx.sum(x * k, -1) / mx.sum(k * k, -1) for x in (kd, vd)]
+    assert all(float(mx.abs(r - 1).max()) < 2.0**-9 for r in ratio[True])
+    assert all(float(mx.mean(r)) < 0.985 for r in ratio[False])
+    cfg = OIQConfig.preset(preset, align_scales=True)
+    assert OIQConfig.from_json(cfg.to_json()) == cfg
+    legacy = json.loads(cfg.to_json())
+    del legacy["align_scales"]
+    assert OIQConfig.from_json(json.dumps(legacy)).align_scales is False

@@ -60,6 +60,34 @@ def test_clip_search_lowers_mse(bits):
     assert clipped < plain * (0.9 if bits <= 3 else 1.0)
 
 
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("bits", [2, 3, 5])
+def test_aligned_scales_keep_each_group_along_itself(bits, clip):
+    """align=True keeps the codes and stores s = |y|^2 / <y, u>: each decoded group has the
+    projection on its input that the input has (up to the float16 rounding of s), where the
+    MSE-chosen scale of the clip search shrinks it; a zero group keeps scale 0, a NaN group
+    stays NaN; the squared error stays within 15% of the clip search's."""
+    x = _data((256, 128), seed=bits, outliers=False)
+    x[0, :32] = 0.0
+    x[1, 40] = mx.nan
+    plain_codes, plain_scales = quantize(x, bits, 32, clip=clip)
+    codes, scales = quantize(x, bits, 32, clip=clip, align=True)
+    assert mx.array_equal(codes, plain_codes)
+    assert float(scales[0, 0]) == 0.0 and bool(mx.isnan(scales[1, 1])) and not bool(mx.isnan(scales[1, 0]))
+
+    def along(codes, scales):
+        y = dequantize(codes, scales, bits, 32)[2:].reshape(-1, 32)
+        g = x[2:].reshape(-1, 32)
+        return mx.sum(y * g, -1) / mx.sum(g * g, -1)
+
+    assert float(mx.abs(along(codes, scales) - 1).max()) < 2.0**-10  # float16 rounding of s
+    if clip:
+        assert float(mx.mean(along(plain_codes, plain_scales))) < (0.999 if bits == 5 else 0.98)
+        mse = [mx.mean(mx.square(dequantize(c, s, bits, 32)[2:] - x[2:])).item()
+               for c, s in ((plain_codes, plain_scales), (codes, scales))]
+        assert mse[1] < 1.15 * mse[0]
+
+
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 def test_dtypes_and_leading_shapes(dtype):
     x = _data((2, 3, 4, 64)).astype(dtype)

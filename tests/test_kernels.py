@@ -109,10 +109,11 @@ def test_quantize_bit_exact(metal_emulator, d, bits, group_size, dtype):
     _assert_bit_exact(scales, want_scales, "scales")
 
 
-def _spec_rows(x, lam, signs, bits, group_size, clip):
-    """The specification of a packed row: codec.quantize(rotate(x / lam, signs), clip=clip)."""
+def _spec_rows(x, lam, signs, bits, group_size, clip, align=False):
+    """The specification of a packed row: codec.quantize(rotate(x / lam, signs), clip=clip, align=align)."""
     y = x.astype(mx.float32)
-    return codec.quantize(rotation.rotate(y if lam is None else y / lam, signs), bits, group_size, clip=clip)
+    return codec.quantize(rotation.rotate(y if lam is None else y / lam, signs), bits, group_size, clip=clip,
+                          align=align)
 
 
 @pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
@@ -129,26 +130,30 @@ def test_fused_quantize_rows_bit_exact(metal_emulator, preset, d, dtype):
     ks, vs = rotation.random_signs(1, d), rotation.random_signs(2, d)
     codes, scales = kernel_quantize_rows(mx.stack([k, v]), bits=cfg.k_bits, group_size=cfg.group_size,
                                          clip=cfg.clip, lam=mx.stack([lam, mx.ones_like(lam)]),
-                                         signs=mx.stack([ks, vs]).reshape(2, 1, 1, 1, d), rotate=True)
+                                         signs=mx.stack([ks, vs]).reshape(2, 1, 1, 1, d), rotate=True,
+                                         align=cfg.align_scales)
     for i, (x, l_, s_) in enumerate(((k, lam, ks), (v, None, vs))):
-        want_codes, want_scales = _spec_rows(x, l_, s_, cfg.k_bits, cfg.group_size, cfg.clip)
+        want_codes, want_scales = _spec_rows(x, l_, s_, cfg.k_bits, cfg.group_size, cfg.clip, cfg.align_scales)
         _assert_bit_exact(codes[i], want_codes, f"codes side {i}")
         _assert_bit_exact(scales[i], want_scales, f"scales side {i}")
 
 
+@pytest.mark.parametrize("clip, align", [(True, False), (True, True), (False, True)],
+                         ids=["clip", "clip-aligned", "absmax-aligned"])
 @pytest.mark.parametrize("bits, group_size", [(2, 32), (3, 64), (4, 128), (8, 32), (5, 32), (6, 64)])
-def test_fused_clip_search_bit_exact_and_non_finite(metal_emulator, bits, group_size):
-    """The clip search alone (no rotation, no key scales), with ties, zeros, huge and non-finite
-    groups: the candidate order and the error summation order match codec.quantize."""
+def test_fused_clip_search_bit_exact_and_non_finite(metal_emulator, bits, group_size, clip, align):
+    """The clip search and the aligned scale (no rotation, no key scales), with ties, zeros, huge
+    and non-finite groups: the candidate order and the summation orders match codec.quantize."""
     y = _heavy_tailed((7, 128), mx.float32, seed=bits)
     y[0, :64] = 0.0
     y[1, 3] = mx.nan
     y[2, 40] = mx.inf
     y[3, :] = 1e30
     y[4, :32] = mx.array([1.0, -1.0] * 16)  # equal errors for several candidates
+    y[5, :] = 3e18  # y * y overflows float32: the aligned scale keeps the chosen one
     codes, scales = kernel_quantize_rows(y, bits=bits, group_size=group_size, lam=None, signs=mx.ones((128,)),
-                                         rotate=False, clip=True)
-    want_codes, want_scales = codec.quantize(y, bits, group_size, clip=True)
+                                         rotate=False, clip=clip, align=align)
+    want_codes, want_scales = codec.quantize(y, bits, group_size, clip=clip, align=align)
     _assert_bit_exact(codes, want_codes, "codes")
     _assert_bit_exact(scales, want_scales, "scales")
 
@@ -178,16 +183,17 @@ def test_fused_quantize_rows_joined_bit_exact(metal_emulator, preset, d, group_s
     buf[1, 0, 1, 9, 3] = mx.nan  # one value row: its first group's scale NaN, codes 0
     a, b = 5, 18
     rows = kernel_quantize_rows(buf[:, :, :, a:b], bits=cfg.k_bits, group_size=g, clip=cfg.clip, lam=lam,
-                                signs=signs, rotate=True, joined=True)
+                                signs=signs, rotate=True, joined=True, align=cfg.align_scales)
     w = codec.packed_width(d, cfg.k_bits)
     assert rows.dtype == mx.uint32 and rows.shape == (2, 1, 3, b - a, codec.row_width(d, cfg.k_bits, g))
     for i, lam_i in enumerate((lam[0], None)):
-        want = codec.join_rows(*_spec_rows(buf[i, :, :, a:b], lam_i, signs[i].reshape(d), cfg.k_bits, g, cfg.clip))
+        want = codec.join_rows(*_spec_rows(buf[i, :, :, a:b], lam_i, signs[i].reshape(d), cfg.k_bits, g, cfg.clip,
+                                           cfg.align_scales))
         _assert_rows_bit_exact(rows[i], want, w, f"joined rows side {i}")
     with pytest.MonkeyPatch.context() as m:
         m.setattr(dispatch, "kernels_enabled", lambda: False)
         reference = dispatch.quantize_rows(buf[:, :, :, a:b], cfg.k_bits, g, clip=cfg.clip, lam=lam, signs=signs,
-                                           joined=True)
+                                           joined=True, align=cfg.align_scales)
     _assert_rows_bit_exact(rows, reference, w, "joined rows against dispatch's reference path")
     # the rotation spreads the NaN over its row: every scale NaN, every code 0; other rows finite
     halves = np.array(rows)[..., w:].view(np.uint16)[..., : d // g] & 0x7FFF

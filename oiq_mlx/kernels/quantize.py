@@ -33,7 +33,7 @@ def _constant(values: tuple, shape: tuple | None = None) -> mx.array:
 
 
 def _launch_quantize(x: mx.array, lam2, signs2, *, bits: int, group_size: int, rotate: bool, clip: bool,
-                     round_to_input: bool, joined: bool):
+                     round_to_input: bool, joined: bool, align: bool = False):
     """The kernel over the rows of ``x`` ``(..., d)`` as it is (any strides: no copy, no reshape);
     ``lam2``, ``signs2``: ``(groups, d)`` tables (``_rows_of``).  Returns ``(codes, scales)``
     shaped like ``x``'s rows, or the joined rows."""
@@ -51,7 +51,7 @@ def _launch_quantize(x: mx.array, lam2, signs2, *, bits: int, group_size: int, r
         inputs=[x, _constant((1.0,), (1, 1)) if lam2 is None else lam2, signs2, 1.0 / math.sqrt(d),
                 _constant(codec.CLIP_RATIOS),
                 mx.array([bits, group_size, int(rotate), int(clip), rows_per_lam, n // signs2.shape[0],
-                          int(round_to_input), int(joined)], mx.int32)],
+                          int(round_to_input), int(joined), int(align)], mx.int32)],
         template=[("T", x.dtype), ("D", d), ("ROWS", ROWS_PER_THREADGROUP)],
         grid=(32, n, 1),
         threadgroup=(32, min(ROWS_PER_THREADGROUP, n), 1),
@@ -82,10 +82,10 @@ def _rows_of(a: mx.array, lead: tuple, what: str) -> mx.array:
 
 
 def quantize_rows(x: mx.array, *, bits: int, group_size: int, lam: mx.array | None, signs: mx.array,
-                  rotate: bool, clip: bool, joined: bool = False):
+                  rotate: bool, clip: bool, joined: bool = False, align: bool = False):
     """Codes and scales of cache rows entering the packed segment, in one pass; equals
-    ``dispatch.quantize_rows`` (``codec.quantize(hadamard(x / lam * signs), clip=clip)``), packed
-    codes and scales bit-exact.
+    ``dispatch.quantize_rows`` (``codec.quantize(hadamard(x / lam * signs), clip=clip,
+    align=align)``), packed codes and scales bit-exact.
 
     Args:
         x: ``(..., n, d)`` rows in the cache dtype, any strides (a slice of a larger buffer is
@@ -102,7 +102,7 @@ def quantize_rows(x: mx.array, *, bits: int, group_size: int, lam: mx.array | No
         return _empty(lead, d, bits, group_size, joined)
     return _launch_quantize(x, None if lam is None else _rows_of(lam, lead, "lam"), _rows_of(signs, lead, "signs"),
                             bits=bits, group_size=group_size, rotate=rotate, clip=clip, round_to_input=False,
-                            joined=joined)
+                            joined=joined, align=align)
 
 
 def quantize(x: mx.array, *, bits: int, group_size: int, signs: mx.array | None = None):
