@@ -49,7 +49,8 @@ def test_reference_path_dispatches(preset, mlx_q4):
     assert r["min"] <= mlx_q4["min"] + 4, r
     blocks = STEPS // OIQKVCache.flush_block
     assert r["per_step"].count(r["min"]) >= STEPS - 2 * blocks, r["per_step"]
-    assert r["max"] <= 50, r
+    # (the packing step; aligned scales, in 3bit, add the two pairwise sums of codec.quantize: 54)
+    assert r["max"] <= 56, r
     # K5V3 (4bit) quantizes each side in its own pass on packing steps
     assert r["mean"] <= mlx_q4["mean"] + 6.5, r
 
