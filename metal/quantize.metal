@@ -142,8 +142,10 @@ float yu[E];
 for (int e = 0; e < E; e++) {
   float c = scale > 0.0f ? clamp(rint(y[e] / scale + half_levels), 0.0f, 2.0f * half_levels) : 0.0f;
   tg_codes[r * D + lane * E + e] = uchar(c);
-  yy[e] = y[e] * y[e];
-  yu[e] = y[e] * (c - half_levels);
+  if (align) {
+    yy[e] = y[e] * y[e];
+    yu[e] = y[e] * (c - half_levels);
+  }
 }
 if (align) {
   // codec.quantize(align=True): the scale sum(y*y) / sum(y*u) for these codes, both sums
