@@ -115,7 +115,8 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--quantize-after", type=int, default=None,
                    help="keep everything in full precision until the cache holds this many tokens")
     o.add_argument("--clip", action=argparse.BooleanOptionalAction, default=None,
-                   help="MSE-optimal clipped group scales instead of abs-max (helps at 2-3 bits)")
+                   help="choose each group's codes by an MSE search over clipped scales instead of abs-max "
+                        "(every preset clips)")
     o.add_argument("--align-scales", action=argparse.BooleanOptionalAction, default=None,
                    help="store each group's scale so that it keeps its length along itself (no shrinkage "
                         "of the scores of matching keys); see OIQConfig")

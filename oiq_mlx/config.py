@@ -24,9 +24,12 @@ MAX_TOKENS = 1 << 24
 # Pride and Prejudice and a Qwen-style key-bias stand-in (768-token prompt, 256 tokens
 # scored one per call); Sense and Sensibility is the text held out from that choice.
 # The 3bit aligned scales (align_scales) came from the 16k Gemma 3 needle and the 4k
-# needles 3bit lost, and were kept on lower KL on all four texts (README).
+# needles 3bit lost, and were kept on lower KL on all four texts (README).  With them the
+# clip search also helps 4bit: lower KL on every text and both models, and the 4k needle
+# K5V3 lost is found again.
 PRESETS = {
-    "4bit": dict(k_bits=5, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5),
+    "4bit": dict(k_bits=5, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5,
+                 clip=True, align_scales=True),
     "3bit": dict(k_bits=3, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.75,
                  clip=True, align_scales=True),
     "2bit": dict(k_bits=2, v_bits=2, group_size=32, sink_tokens=4, window=128, center_keys=True, key_scaling=0.75,
@@ -84,8 +87,9 @@ class OIQConfig:
 
     The defaults are the measured ``"4bit"`` preset (see :meth:`preset` and the
     README's fidelity section): keys at 5 bits and values at 3 (K5V3, 4 bits per
-    coordinate on average, the bytes of K4V4), group 32, 4 sink tokens and a
-    64-token window in full precision, key mean removed, key scaling 0.5.
+    coordinate on average, the bytes of K4V4), group 32, codes from the clip
+    search with aligned scales, 4 sink tokens and a 64-token window in full
+    precision, key mean removed, key scaling 0.5.
 
     Attributes:
         k_bits, v_bits: bits per key / value coordinate: 2, 3, 4, 5, 6 or 8.
@@ -98,7 +102,8 @@ class OIQConfig:
         quantize_after: nothing is quantized until the cache holds more than
             this many tokens (mlx-lm's ``quantized_kv_start``).
         clip: choose each group's scale by a per-group MSE search instead of
-            abs-max (helps at 2-3 bits).
+            abs-max (every preset clips; at 4 bits only together with
+            ``align_scales``, see below).
         align_scales: keep the codes so chosen but store for each group the
             scale ``sum(y*y) / sum(y*u)`` (``u``: the codes centred), so that
             the stored group has the length the rotated vector has along itself
@@ -150,8 +155,8 @@ class OIQConfig:
     sink_tokens: int = 4
     window: int = 64
     quantize_after: int = 0
-    clip: bool = False
-    align_scales: bool = False
+    clip: bool = True
+    align_scales: bool = True
     center_keys: bool = True
     center_values: bool = False
     trim_reserve: int = 16
@@ -195,13 +200,13 @@ class OIQConfig:
         block of 16 (25.6 KB at d = 64 in float16; 42.0 KB for ``2bit``), and
         the float32 mean / key-scale vectors:
 
-        ========  =======  ========  ==================================
+        ========  =======  ========  ======================================================================
         name      d = 64   d = 128   what
-        ========  =======  ========  ==================================
-        ``4bit``  72       144       K5 V3 g32, key mean, key scaling 0.5
-        ``3bit``  56       112       K3 V3 g32, + clipped codes with aligned scales, key scaling 0.75
-        ``2bit``  40       80        K2 V2 g32, + clipped scales, value mean, window 128
-        ========  =======  ========  ==================================
+        ========  =======  ========  ======================================================================
+        ``4bit``  72       144       K5 V3 g32, clipped codes with aligned scales, key mean, key scaling 0.5
+        ``3bit``  56       112       K3 V3 g32, as 4bit but key scaling 0.75
+        ``2bit``  40       80        K2 V2 g32, clipped codes with their MSE scales, value mean, window 128
+        ========  =======  ========  ======================================================================
 
         (fp16 is 256 / 512.)  Raises ``ValueError`` for an unknown name.
         """

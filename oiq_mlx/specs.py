@@ -160,7 +160,8 @@ class CacheSpec:
 
 
 def _plain(bits: int, **kw) -> OIQConfig:
-    return OIQConfig(k_bits=bits, v_bits=bits, sink_tokens=0, window=0, center_keys=False, key_scaling=0.0, **kw)
+    return OIQConfig(k_bits=bits, v_bits=bits, sink_tokens=0, window=0, center_keys=False, key_scaling=0.0,
+                     clip=False, align_scales=False, **kw)
 
 
 def _mlx(bits: int, group: int, name: str | None = None) -> CacheSpec:

@@ -57,13 +57,14 @@ def _oiq_layers(cache):
 @pytest.mark.filterwarnings("ignore:oiq_mlx")
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("positional", [False, True], ids=["", "positional"])
-def test_batch_generator_matches_sequences_alone(make_model, positional):
+@pytest.mark.parametrize("clip", [False, True], ids=["absmax", "clip"])
+def test_batch_generator_matches_sequences_alone(make_model, positional, clip):
     """Right-padded prompts of different lengths prefilled as one batch, then decoded stacked:
     each sequence gets the tokens and stores the rows it would alone (positional: its padded
     queries come after its real ones, and the 5-token one estimates its statistics stacked)."""
     model = make_model()
     prompts = _prompts()
-    cfg = OIQConfig(**{**vars(CFG), "positional": positional})
+    cfg = OIQConfig(**{**vars(CFG), "positional": positional, "clip": clip, "align_scales": clip})
     tokens, caches = _batched(model, prompts, 16, cfg)
     for prompt, got, cache in zip(prompts, tokens, caches):
         want, alone = _alone(model, prompt, 16, cfg)
@@ -73,7 +74,14 @@ def test_batch_generator_matches_sequences_alone(make_model, positional):
             # the same rows through the same code; batched matmuls round differently (~1e-6)
             np.testing.assert_allclose(np.array(b.k.mean), np.array(a.k.mean), atol=1e-5)
             for x, y in zip(b.dequantized_kv(), a.dequantized_kv()):
-                np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
+                # rows that differ by that rounding can still round a rotated coordinate to
+                # the neighbouring code (spread over the row by the inverse rotation) or, with
+                # clip, pick a neighbouring candidate scale for a group: one or two rows of a
+                # layer may differ, by a fraction of a quantization step
+                x, y = np.array(x), np.array(y)
+                rows = np.abs(x - y).max(axis=-1) > 1e-4
+                assert rows.sum() <= 2, np.argwhere(rows)
+                np.testing.assert_allclose(x, y, atol=0.02)
 
 
 def _kv(seed, n, scale=1.0):

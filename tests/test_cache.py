@@ -499,7 +499,7 @@ def test_defaults_are_the_4bit_preset():
 
 def test_seed_and_rotation_options():
     k = mx.random.normal((1, 2, 40, 64), key=mx.random.key(7))
-    base = dict(sink_tokens=0, window=0, center_keys=False, key_scaling=0.0)
+    base = dict(sink_tokens=0, window=0, center_keys=False, key_scaling=0.0, clip=False, align_scales=False)
     caches = {}
     for name, cfg in {
         "seed0": OIQConfig(seed=0, **base),

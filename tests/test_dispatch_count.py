@@ -49,10 +49,11 @@ def test_reference_path_dispatches(preset, mlx_q4):
     assert r["min"] <= mlx_q4["min"] + 4, r
     blocks = STEPS // OIQKVCache.flush_block
     assert r["per_step"].count(r["min"]) >= STEPS - 2 * blocks, r["per_step"]
-    # (the packing step; aligned scales, in 3bit, add the two pairwise sums of codec.quantize: 54)
-    assert r["max"] <= 56, r
-    # K5V3 (4bit) quantizes each side in its own pass on packing steps
-    assert r["mean"] <= mlx_q4["mean"] + 6.5, r
+    # (the packing step: the clip search and the aligned scales' two pairwise sums of
+    # codec.quantize cost 54 where keys and values share one pass (3bit, 2bit); K5V3 (4bit)
+    # quantizes each side in its own pass, 94.  One step in 16: the mean adds 9 at most)
+    assert r["max"] <= 96, r
+    assert r["mean"] <= mlx_q4["mean"] + 9.5, r
 
 
 def test_only_block_steps_quantize():
