@@ -9,6 +9,7 @@ loading here are shared with ``oiq-cache-prompt`` (:mod:`oiq_mlx.cache_prompt`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -324,9 +325,12 @@ def _check_cache_config(args, cache):
         except ValueError as e:
             raise UsageError(str(e)) from None
         if wanted != stored[0]:
+            # name the fields that differ (a preset that changed since the file was written shows here)
+            diff = "; ".join(f"{f.name} {getattr(stored[0], f.name)!r} in the file, {getattr(wanted, f.name)!r} asked"
+                             for f in dataclasses.fields(wanted) if getattr(wanted, f.name) != getattr(stored[0], f.name))
             raise UsageError(
-                f"the OIQ options ({' '.join(given)}) do not match the cache loaded from --prompt-cache-file "
-                f"({stored[0].to_json()})"
+                f"the OIQ options ({' '.join(given)}) do not match the cache loaded from --prompt-cache-file: "
+                f"{diff} (leave them out to use the file's configuration)"
             )
 
 

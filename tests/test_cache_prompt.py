@@ -78,7 +78,7 @@ def test_oiq_cache_file_keeps_its_config_and_answers(demo, tmp_path):
 
     # options that contradict the file are refused, as mlx_lm.generate refuses --kv-bits
     for args, message in (
-        (["--k-bits", "4"], "do not match the cache loaded from --prompt-cache-file"),
+        (["--k-bits", "4"], "do not match the cache loaded from --prompt-cache-file: k_bits 3 in the file, 4 asked"),
         (["--no-oiq"], "--no-oiq does not match the OIQ cache"),
         (["--model", "gemma3"], "is not the model the prompt cache was made with (demo)"),
     ):
