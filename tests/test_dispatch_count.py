@@ -49,9 +49,9 @@ def test_reference_path_dispatches(preset, mlx_q4):
     assert r["min"] <= mlx_q4["min"] + 4, r
     blocks = STEPS // OIQKVCache.flush_block
     assert r["per_step"].count(r["min"]) >= STEPS - 2 * blocks, r["per_step"]
-    # (the packing step: the clip search and the aligned scales' two pairwise sums of
-    # codec.quantize cost 54 where keys and values share one pass (3bit, 2bit); K5V3 (4bit)
-    # quantizes each side in its own pass, 94.  One step in 16: the mean adds 9 at most)
+    # (the packing step: 54 where keys and values share one quantize pass with the clip
+    # search (3bit, 2bit); K5V3 (4bit) quantizes each side in its own pass, each with the clip
+    # search and the aligned scales' two pairwise sums: 94.  One step in 16: the mean adds ~9)
     assert r["max"] <= 96, r
     assert r["mean"] <= mlx_q4["mean"] + 9.5, r
 
