@@ -765,9 +765,13 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
 
 def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials: int, seed: int = 0,
                  chat: bool = True, max_tokens: int = 8, prefill_step_size: int = 2048, share_prefill: bool = True,
-                 progress=None, done=None, done_specs=None, checkpoint=None) -> dict:
+                 progress=None, done=None, done_specs=None, checkpoint=None, only=None) -> dict:
     """Passkey retrieval over many trials per (length, depth) cell, every trial
     run through every cache in ``specs`` (the first is the paired reference).
+
+    ``only``: run just these trials of the plan (their ``index``, the report's
+    ``#``), e.g. to rerun the trials a cache missed with other caches; the
+    result (and with ``done``, the stored trials) keeps the others as they were.
 
     ``done``: records of an earlier run of the same plan (by trial index);
     ``done_specs``: that run's ``specs`` (name -> :meth:`CacheSpec.to_dict`).  A
@@ -781,6 +785,14 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
     JSON-serialisable dict with the per-trial ``records`` and the ``summary``."""
     progress = progress or Progress(enabled=False)
     plan = plan_needle_trials(tokenizer, haystacks, lengths, depths, trials, seed=seed, chat=chat)
+    planned = len(plan)
+    if only is not None:
+        only = sorted(set(only))
+        outside = [i for i in only if not 0 <= i < planned]
+        if outside or not only:
+            raise ValueError(f"trials to run must be indices 0..{planned - 1} of the plan "
+                             f"({planned} trials), got {outside or 'none'}")
+        plan = [t for t in plan if t.index in only]
     names = [s.name for s in specs]
     spec_dicts = {s.name: json.loads(json.dumps(s.to_dict())) for s in specs}
     done = {r["index"]: r for r in (done or [])}
@@ -796,6 +808,15 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
         return [s for s in specs if s.name not in reusable(done[t.index])] if t.index in done else list(specs)
 
     records = []
+
+    def result() -> dict:
+        # the earlier run's trials not reached yet (or not chosen by ``only``) stay in the
+        # file: stopping again, or rerunning a few trials, loses nothing
+        visited = {r["index"] for r in records}
+        kept = sorted(records + [done[i] for i in done if i not in visited], key=lambda r: r["index"])
+        return _needle_stats_result(kept, names, recorded_specs, planned, only, lengths, depths, trials, seed,
+                                    chat, prefill_step_size, share_prefill, haystacks)
+
     # prefill dominates: a trial costs about its length in tokens per cache
     total = sum(t.length * len(todo(t)) for t in plan)
     spent, t0 = 0, time.perf_counter()
@@ -827,16 +848,11 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
             continue
         spent += t.length * len(run)
         verdicts = " ".join(f"{n}:{'+' if rec['results'][n]['hit'] else '-'}" for n in names)
-        progress(f"trial {t.index + 1}/{len(plan)} len {t.length} depth {t.depth:.2f} {t.text}@{t.offset} "
+        progress(f"trial #{t.index} ({len(records)}/{len(plan)}) len {t.length} depth {t.depth:.2f} {t.text}@{t.offset} "
                  f"key {t.passkey}: {verdicts}; ETA {_eta(spent, total, time.perf_counter() - t0)}")
         if checkpoint is not None:
-            # the earlier run's trials not reached yet stay in the file: stopping again loses nothing
-            visited = {r["index"] for r in records}
-            pending = [done[i] for i in sorted(done) if i not in visited]
-            checkpoint(_needle_stats_result(records + pending, names, recorded_specs, plan, lengths, depths, trials,
-                                            seed, chat, prefill_step_size, share_prefill, haystacks))
-    return _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat,
-                                prefill_step_size, share_prefill, haystacks)
+            checkpoint(result())
+    return result()
 
 
 def _same_config(a, b) -> bool:
@@ -858,15 +874,17 @@ def _same_config(a, b) -> bool:
     return normal(a) == normal(b)
 
 
-def _needle_stats_result(records, names, recorded_specs, plan, lengths, depths, trials, seed, chat, prefill_step_size,
-                         share_prefill, haystacks):
+def _needle_stats_result(records, names, recorded_specs, planned, only, lengths, depths, trials, seed, chat,
+                         prefill_step_size, share_prefill, haystacks):
     return {
         "caches": names,
         "specs": recorded_specs,
         "lengths": list(lengths),
         "depths": list(depths),
         "trials_per_cell": trials,
-        "planned": len(plan),
+        "planned": planned,
+        # the trials this run was limited to (None: the whole plan)
+        "only": only,
         # trials every named cache has run (a checkpoint also holds an earlier run's trials as they were)
         "completed": sum(all(n in r["results"] for n in names) for r in records),
         "seed": seed,
@@ -892,9 +910,11 @@ def needle_stats_markdown(result: dict) -> str:
     names, summary = result["caches"], result["summary"]
     ref = names[0]
     lengths = [str(L) for L in result["lengths"]]
+    only = result.get("only")
     lines = [
         f"{result['completed']}/{result['planned']} trials ({result['trials_per_cell']} per length x depth, "
         f"depths {result['depths']}, texts {', '.join(result['texts'])}); hits/trials (rate, 95% Wilson interval)",
+        *([f"this run: only trials {', '.join(f'#{i}' for i in only)}"] if only else []),
         "",
         "| cache | " + " | ".join(lengths) + " | all | " + f"{ref}-hits missed | hits {ref} missed | McNemar p "
         f"| margin drop vs {ref} |",

@@ -69,6 +69,11 @@ def main(argv=None):
                    help="prefill the whole prompt once per cache; by default the first prefill chunk is computed "
                         "once in fp and replayed into the fp and OIQ caches (both attend to it exactly), which "
                         "gives the same answers up to float rounding")
+    p.add_argument("--only", type=_ints, default=None,
+                   help="run just these trials of the plan: comma-separated indices as the report lists them "
+                        "('#4' is 4; 0 to trials x cells - 1), e.g. the ones a cache missed, with other caches. "
+                        "The same plan options as the run they come from pick the same trials; with --resume "
+                        "on its file the other trials are kept as they are")
     p.add_argument("--json", default=None, help="results file, rewritten after every trial")
     p.add_argument("--markdown", default=None, help="also write the markdown report to this file")
     p.add_argument("--resume", action="store_true", help="keep the trials already in --json (same plan) and run the rest; on finished trials, run "
@@ -84,6 +89,10 @@ def main(argv=None):
         p.error(f"--depths must lie in [0, 1], got {list(depths)}")
     if args.prefill_step_size < 1:
         p.error(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+    planned = trials * len(lengths) * len(depths)
+    if args.only is not None and (not args.only or min(args.only) < 0 or max(args.only) >= planned):
+        p.error(f"--only needs trial indices 0..{planned - 1} (the plan has {planned} trials), "
+                f"got {','.join(map(str, args.only)) or 'none'}")
     if args.resume and not args.json:
         p.error("--resume needs --json")
     try:
@@ -132,7 +141,7 @@ def main(argv=None):
                              trials=trials, seed=args.seed, chat=not args.no_chat, max_tokens=args.max_tokens,
                              prefill_step_size=args.prefill_step_size,
                              share_prefill=not args.no_share_prefill, progress=progress, done=done, done_specs=done_specs,
-                             checkpoint=checkpoint)
+                             checkpoint=checkpoint, only=args.only)
     checkpoint(result)
     report = ev.needle_stats_markdown(finish(result))
     print(report)

@@ -258,6 +258,26 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     ev.needle_stats(None, tok, added, done=res3["records"], done_specs=None, **kw)
     assert ran == []  # a file without specs: records that have every cache are kept whole
 
+    # only: a few trials rerun with another cache; the stored trials are kept, and the
+    # chosen ones get the new cache's answers on exactly the prompts they were planned with
+    ran.clear()
+    missed = [r["index"] for r in res["records"] if not r["results"]["oiq-4"]["hit"]]
+    pick = missed[:3]
+    res4 = ev.needle_stats(None, tok, [parse_spec("fp"), parse_spec("oiq-3")], done=res["records"],
+                           done_specs=res["specs"], only=[pick[2], pick[0], pick[1], pick[0]], **kw)
+    assert ran == [["oiq-3"]] * 3 and res4["only"] == sorted(pick)
+    assert [r["index"] for r in res4["records"]] == list(range(24))
+    assert [r["index"] for r in res4["records"] if "oiq-3" in r["results"]] == sorted(pick)
+    assert all(r == o for r, o in zip(res4["records"], res["records"]) if r["index"] not in pick)
+    rows = [r for r in res4["records"] if r["index"] in pick]
+    assert all(r["results"]["oiq-3"]["answer"] == f" {r['passkey']}." for r in rows)
+    p4 = res4["summary"]["oiq-3"]["paired"]
+    assert (p4["both"] + p4["ref_only"] + p4["other_only"] + p4["neither"], p4["other_only"]) == (3, 0)
+    assert "only trials " + ", ".join(f"#{i}" for i in sorted(pick)) in ev.needle_stats_markdown(res4)
+    for bad in ([24], [-1], []):
+        with pytest.raises(ValueError, match="indices 0..23"):
+            ev.needle_stats(None, tok, specs, only=bad, **kw)
+
 
 def tiny_llama(seed=0):
     mx.random.seed(seed)
@@ -325,7 +345,8 @@ def test_record_first_chunk_refuses_shared_layers():
 def test_script_rejects_bad_options():
     for args, msg in ((["--trials", "0"], "--trials"), (["--depths", "0.5,2"], "--depths"),
                       (["--resume"], "--resume needs --json"), (["--texts", "/nonexistent.txt"], "cannot read"),
-                      (["--caches", "fp,nonsense-9"], "nonsense")):
+                      (["--caches", "fp,nonsense-9"], "nonsense"),
+                      (["--only", "180"], "indices 0..179"), (["--quick", "--only", "3,12"], "indices 0..11")):
         out = subprocess.run([sys.executable, str(ROOT / "scripts" / "needle_stats.py"), *args],
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 2, args
@@ -347,5 +368,5 @@ def test_script_end_to_end_on_smollm2(tmp_path):
     assert res["summary"]["fp"]["all"]["hits"] == 2  # SmolLM2 finds a passkey in 160 tokens
     assert "| oiq-4 |" in out_md.read_text()
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0 and "trial 1/" not in again.stderr
+    assert again.returncode == 0 and "trial #" not in again.stderr
     assert json.loads(out_json.read_text())["records"] == res["records"]
