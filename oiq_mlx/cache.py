@@ -112,9 +112,10 @@ class SideStorage:
     :meth:`window_to_packed`.  Only the cache writes them.
     """
 
-    def __init__(self, bits: int, group_size: int, clip: bool, center: bool, scale_power: float = 0.0):
+    def __init__(self, bits: int, group_size: int, clip: bool, center: bool, scale_power: float = 0.0,
+                 scale_cap: float = 0.0):
         self.bits, self.group_size, self.clip, self.center = bits, group_size, clip, center
-        self.scale_power = scale_power
+        self.scale_power, self.scale_cap = scale_power, scale_cap
         self.head_dim = self.dim = None
         self.signs = self.mean = self.lam = None
         self.rotated = True
@@ -189,7 +190,11 @@ class SideStorage:
             # only channels louder than the head's median are shrunk: quiet
             # channels are never amplified, and magnitudes only decrease
             median = mx.sort(rms, axis=-1)[..., self.dim // 2 : self.dim // 2 + 1] + 1e-6
-            self.lam = mx.power(mx.maximum(rms, median) / median, self.scale_power)
+            loud = mx.maximum(rms, median) / median
+            self.lam = mx.power(loud, self.scale_power)
+            if self.scale_cap:
+                # and none stays louder than scale_cap times the median
+                self.lam = mx.maximum(self.lam, loud / self.scale_cap)
         self.mean = m
 
     def nbytes(self) -> int:
@@ -277,7 +282,7 @@ class OIQKVCache(_BaseCache):
         self._views = None  # memo of _packed_views
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
-        self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling)
+        self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling, cfg.key_scaling_cap)
         self.v = SideStorage(v_bits, cfg.group_size, cfg.clip, cfg.center_values)
 
     # -- writing -----------------------------------------------------------

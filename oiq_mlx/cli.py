@@ -127,6 +127,9 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
                    help="subtract the per-channel value mean (exact for attention)")
     o.add_argument("--key-scaling", type=float, default=None,
                    help="exponent of the exact per-channel key scaling, 0 to 1 (0 = off)")
+    o.add_argument("--key-scaling-cap", type=float, default=None,
+                   help="with key scaling, also bring every key channel to at most this many times the "
+                        "median channel's RMS (>= 1; 0 = no cap; the 3bit preset uses 2)")
     o.add_argument("--rotation-seed", type=int, default=None, help="seed of the random sign vectors")
     o.add_argument("--layer-bits", default=None, metavar="L:K:V,...|auto[:BUDGET]",
                    help="per-layer bits, e.g. 3:3:3,8:3:3 stores layers 3 and 8 at K3V3 (the rest per "
@@ -188,6 +191,7 @@ _OIQ_FIELDS = {
     "center_keys": "center_keys",
     "center_values": "center_values",
     "key_scaling": "key_scaling",
+    "key_scaling_cap": "key_scaling_cap",
     "layer_bits": "layer_bits",
     "positional": "positional",
 }

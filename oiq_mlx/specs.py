@@ -138,7 +138,8 @@ class CacheSpec:
                 raise ValueError(f"cache {self.name!r}: oiq-server has no flag for {name}")
         args = ["--k-bits", str(cfg.k_bits), "--v-bits", str(cfg.v_bits), "--group-size", str(cfg.group_size),
                 "--rotation-seed", str(cfg.seed), "--sink-tokens", str(cfg.sink_tokens), "--window", str(cfg.window),
-                "--quantize-after", str(cfg.quantize_after), "--key-scaling", str(cfg.key_scaling)]
+                "--quantize-after", str(cfg.quantize_after), "--key-scaling", str(cfg.key_scaling),
+                "--key-scaling-cap", str(cfg.key_scaling_cap)]
         for name in ("clip", "align_scales", "center_keys", "center_values", "positional"):
             flag = name.replace("_", "-")
             args.append(f"--{flag}" if getattr(cfg, name) else f"--no-{flag}")
@@ -185,7 +186,8 @@ def cache_registry() -> dict[str, CacheSpec]:
                                          (", aligned scales", cfg.align_scales)) if on)
         specs.append(CacheSpec(f"oiq-{b}", "oiq", b, 32, cfg,
                                f"OIQ preset '{b}bit' (K{cfg.k_bits}V{cfg.v_bits} g32, sinks {cfg.sink_tokens}, "
-                               f"window {cfg.window}, key mean + scaling {cfg.key_scaling}{extras})"))
+                               f"window {cfg.window}, key mean + scaling {cfg.key_scaling}"
+                               f"{f' capped at {cfg.key_scaling_cap:g}x' if cfg.key_scaling_cap else ''}{extras})"))
     specs.append(CacheSpec("oiq-8", "oiq", 8, 32, OIQConfig(k_bits=8, v_bits=8), "OIQ 8-bit g32, defaults"))
     return {s.name: s for s in specs}
 

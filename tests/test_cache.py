@@ -42,7 +42,7 @@ CONFIGS = [
     OIQConfig(k_bits=4, v_bits=3, sink_tokens=0, window=0, center_keys=False),
     OIQConfig(k_bits=2, v_bits=5, sink_tokens=7, window=5, center_values=True, clip=True, trim_reserve=3),
     OIQConfig(k_bits=6, v_bits=4, group_size=64, quantize_after=40, window=3),
-    OIQConfig.preset("3bit"),  # key scaling 0.75, clipped scales
+    OIQConfig.preset("3bit"),  # key scaling 0.5 capped at 2x, clipped and aligned scales
     OIQConfig.preset("2bit"),  # + value mean, window 128 (past the first chunks here)
 ]
 
@@ -146,6 +146,36 @@ def test_key_scaling_helps_outlier_channels():
         q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(5))
         errs[power] = float(mx.mean(mx.square((q * (kd - k)).sum(-1))))
     assert errs[0.5] < 0.5 * errs[0.0], errs
+
+
+def test_key_scaling_cap_brings_loud_channels_within_the_cap():
+    """lam = max(R**a, R / cap) per channel (R: RMS over the head's median): channels a few
+    times the median keep the square root, channels 20x and 6x louder end within 2x of it;
+    scores stay exact (the queries are scaled by the same lam), and the lam is stored."""
+    loud = mx.where(mx.arange(64) % 16 == 3, 20.0, mx.where(mx.arange(64) % 16 == 7, 6.0,
+                                                             mx.where(mx.arange(64) % 16 == 9, 3.0, 1.0)))
+    k = mx.random.normal((1, 2, 400, 64), key=mx.random.key(8)) * loud
+    lams, outs = {}, {}
+    q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(9))
+    for cap in (0.0, 2.0):
+        c = OIQKVCache(OIQConfig(k_bits=8, v_bits=8, key_scaling=0.5, key_scaling_cap=cap, sink_tokens=0, window=0))
+        c.update_and_fetch(k, k)
+        lams[cap] = np.array(c.k.lam)[0, 0, 0]
+        outs[cap] = oiq_attention(q, c, scale=0.125)
+    rms = np.sqrt(np.mean(np.square(np.array(k - mx.mean(k, axis=2, keepdims=True)))[0, 0], axis=0))
+    med = np.sort(rms)[32]  # the cache's median of 64 channels: the upper middle one
+    R = np.maximum(rms, med) / med
+    np.testing.assert_allclose(lams[0.0], np.sqrt(R), rtol=0.02)
+    np.testing.assert_allclose(lams[2.0], np.maximum(np.sqrt(R), R / 2), rtol=0.02)
+    after = R / lams[2.0]
+    assert after.max() <= 2.0 + 1e-3 and (R / lams[0.0]).max() > 4
+    assert np.all(lams[2.0][np.arange(64) % 16 == 9] == lams[0.0][np.arange(64) % 16 == 9])  # 3x: sqrt only
+    k_ref = mx.softmax((q @ k.swapaxes(-1, -2)) * 0.125, axis=-1) @ k
+    for cap in (0.0, 2.0):
+        assert float(mx.abs(outs[cap] - k_ref).max()) < 0.01 * float(mx.abs(k_ref).max())
+    off = OIQKVCache(OIQConfig(key_scaling=0.0, key_scaling_cap=2.0))  # no key scaling: nothing to cap
+    off.update_and_fetch(k, k)
+    assert off.k.lam is None
 
 
 def test_centering_helps_offset_keys():
@@ -282,6 +312,9 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
         (dict(clip="yes"), "clip must be True or False"),
         (dict(align_scales=1), "align_scales must be True or False"),
         (dict(key_scaling=2.0), "key_scaling must be a number in"),
+        (dict(key_scaling_cap=0.5), "key_scaling_cap must be 0 \\(no cap\\) or a number >= 1"),
+        (dict(key_scaling_cap=float("nan")), "key_scaling_cap must be"),
+        (dict(key_scaling_cap=True), "key_scaling_cap must be"),
         (dict(layer_bits="3:3"), "is not layer:k_bits:v_bits"),
         (dict(layer_bits="3:7:3"), "layer 3 k_bits=7 is not supported"),
         (dict(layer_bits=((1, 3, 3), (1, 4, 4))), "names a layer twice"),
@@ -585,5 +618,6 @@ def test_aligned_scales_keep_every_packed_vector_along_itself(preset):
     cfg = OIQConfig.preset(preset, align_scales=True)
     assert OIQConfig.from_json(cfg.to_json()) == cfg
     legacy = json.loads(cfg.to_json())
-    del legacy["align_scales"]
-    assert OIQConfig.from_json(json.dumps(legacy)).align_scales is False
+    del legacy["align_scales"], legacy["key_scaling_cap"]
+    old = OIQConfig.from_json(json.dumps(legacy))
+    assert old.align_scales is False and old.key_scaling_cap == 0.0  # what a file from before they existed did

@@ -172,6 +172,7 @@ HARMLESS = {0: {"config.layer_bits=[]"}, 1: {"config.layer_bits=0:4:2;1:4:2", "c
 # edits no array reveals (they only change how later tokens are stored): the digest refuses them
 DIGEST_ONLY_EDITS = [
     ("clip", False), ("window", 7), ("window", 0), ("quantize_after", 50), ("trim_reserve", 0), ("key_scaling", 0.25),
+    ("key_scaling_cap", 3.0),
 ]
 
 

@@ -181,6 +181,7 @@ def test_options_build_the_config():
     assert config_from_args(parse(["--preset", "3bit", "--no-align-scales"])) == OIQConfig.preset("3bit", align_scales=False)
     assert config_from_args(parse(["--align-scales"])) == OIQConfig(align_scales=True)
     assert config_from_args(parse(["--no-center-keys", "--key-scaling", "0.5"])) == OIQConfig(center_keys=False, key_scaling=0.5)
+    assert config_from_args(parse(["--preset", "3bit", "--key-scaling-cap", "0"])) == OIQConfig.preset("3bit", key_scaling_cap=0.0)
     cfg = config_from_args(parse(["--preset", "2bit", "--layer-bits", "4:3:3,8:4:3"]))
     assert cfg == OIQConfig.preset("2bit", layer_bits=((4, 3, 3), (8, 4, 3)))
 
