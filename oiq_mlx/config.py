@@ -136,7 +136,7 @@ class OIQConfig:
             median (SmolLM2: at most 2-4x); keys with channels 15-20x the
             median (Gemma 3's, after its key norm) need those brought further
             down, and the cap does that without shrinking the milder channels
-            more (README "Choosing a configuration").  0: no cap.  Without key
+            more (README "Needle in a haystack").  0: no cap.  Without key
             scaling (``key_scaling=0``) nothing is scaled, capped or not.
         trim_reserve: full-precision copies of this many tokens beyond the
             window are kept so that ``trim`` (speculative decoding) restores
