@@ -729,6 +729,21 @@ def margin_drop(ref: list, other: list) -> dict | None:
     return {"n": int(diff.size), "mean": float(diff.mean()), "se": se}
 
 
+def first_margin_change(ref: list, other: list) -> dict | None:
+    """Mean and standard deviation of ``other - ref`` over paired trials, each value
+    the margin of the first answer token (top-1 vs runner-up log-probability): how
+    far a cache moves the decision a retrieval turns on.  A miss on a trial whose
+    reference margin is well inside that spread is a coin flip of the cache's noise,
+    not a sign that the cache lost the needle."""
+    if len(ref) != len(other):
+        raise ValueError(f"paired margins need equal lengths, got {len(ref)} and {len(other)}")
+    if not ref:
+        return None
+    diff = np.asarray(other, dtype=np.float64) - np.asarray(ref, dtype=np.float64)
+    sd = float(diff.std(ddof=1)) if diff.size > 1 else None
+    return {"n": int(diff.size), "mean": float(diff.mean()), "sd": sd}
+
+
 def _rate(hits: list) -> dict:
     lo, hi = wilson_interval(sum(hits), len(hits))
     return {"hits": int(sum(hits)), "n": len(hits), "rate": sum(hits) / len(hits) if hits else None, "ci": [lo, hi]}
@@ -754,6 +769,8 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
             hits = [r for r in both if r["results"][ref]["hit"] and r["results"][n]["hit"]]
             entry["margin_drop"] = margin_drop([min(r["results"][ref]["margins"]) for r in hits],
                                                [min(r["results"][n]["margins"]) for r in hits])
+            entry["first_margin_change"] = first_margin_change([r["results"][ref]["margins"][0] for r in hits],
+                                                               [r["results"][n]["margins"][0] for r in hits])
             entry["paired_by_length"] = {
                 str(L): paired_counts([r["results"][ref]["hit"] for r in both if r["length"] == L],
                                       [r["results"][n]["hit"] for r in both if r["length"] == L])
@@ -935,7 +952,7 @@ def needle_stats_markdown(result: dict) -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {_fmt_rate(s['all'])} | " + " | ".join(extra) + " |")
     lines += ["", "margin: the smallest log-probability gap between the chosen answer token and the runner-up over "
               f"a trial's answer; margin drop: its mean decrease against {ref} (± standard error) on trials both "
-              "retrieve.", "", "by depth (all lengths): " + "; ".join(
+              "retrieve.", *_first_margin_lines(names, summary, ref), "", "by depth (all lengths): " + "; ".join(
         f"{n}: " + ", ".join(f"{float(d):.2f} {r['hits']}/{r['n']}" for d, r in summary[n]["by_depth"].items())
         for n in names)]
     discordant = [r for r in result["records"] if len({bool(v["hit"]) for v in r["results"].values()}) > 1]
@@ -945,8 +962,35 @@ def needle_stats_markdown(result: dict) -> str:
             answers = "; ".join(f"{n} {'+' if v['hit'] else '-'} {v['answer'].strip()[:24]!r} "
                                 f"(margin {min(v['margins']):.2f})" for n, v in r["results"].items())
             lines.append(f"- #{r['index']} len {r['length']} depth {r['actual_depth']:.2f} {r['text']}@{r['offset']} "
-                         f"key {r['passkey']}: {answers}")
+                         f"key {r['passkey']}: {answers}{_coin_flip_note(r, summary, ref)}")
     return "\n".join(lines)
+
+
+def _first_margin_lines(names, summary, ref) -> list:
+    parts = [f"{n} {c['mean']:+.2f} ± {c['sd']:.2f} (n = {c['n']})" for n in names
+             if (c := summary[n].get("first_margin_change")) and c["sd"] is not None]
+    if not parts:
+        return []
+    return ["", f"first answer token's margin, change against {ref} on trials both retrieve (mean ± standard "
+            "deviation): " + "; ".join(parts) + f". A miss of a trial {ref} retrieves with a first-token margin "
+            "within one such deviation is marked a coin flip: the cache's usual noise decides it."]
+
+
+def _coin_flip_note(record, summary, ref) -> str:
+    """For a trial ``ref`` retrieves and some cache misses: ``ref``'s first-token
+    margin in units of each missing cache's first-token margin spread."""
+    r = record["results"]
+    if ref not in r or not r[ref]["hit"]:
+        return ""
+    m = r[ref]["margins"][0]
+    notes = []
+    for n, v in r.items():
+        c = summary.get(n, {}).get("first_margin_change")
+        if n == ref or v["hit"] or not c or not c["sd"]:
+            continue
+        z = m / c["sd"]
+        notes.append(f"{ref}'s first-token margin {m:.3f} = {z:.2f} sd of {n}'s" + (", a coin flip" if z < 1 else ""))
+    return f" [{'; '.join(notes)}]" if notes else ""
 
 
 # ---------------------------------------------------------------- attention fidelity

@@ -2,7 +2,9 @@
 depth) cell, each with its own passkey, haystack text and offset, every trial
 run through every cache; retrieval rates with 95% Wilson intervals and a paired
 comparison against the first cache (fp: how many of fp's hits each cache
-misses, and the reverse, with McNemar's exact test).
+misses, and the reverse, with McNemar's exact test); and how far each cache
+moves the first answer token's margin on trials both retrieve, against which a
+miss where fp itself barely chose the digits is marked a coin flip.
 
 Thin front end over ``oiq_mlx.evaluation.needle_stats``.  Answers are greedy,
 through ``mlx_lm.generate_step`` as in ``mlx_lm.generate``: the prompt but its

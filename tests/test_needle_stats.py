@@ -185,6 +185,38 @@ def test_summary_per_length_and_depth():
     assert s["oiq-4"]["margin_drop"] == {"n": 2, "mean": pytest.approx(1.0), "se": pytest.approx(0.0)}
 
 
+def test_first_margin_change_and_coin_flips_constructed():
+    c = ev.first_margin_change([1.0, 2.0, 3.0], [1.5, 1.5, 3.5])
+    assert c["n"] == 3 and c["mean"] == pytest.approx(0.5 / 3)
+    assert c["sd"] == pytest.approx(np.std([0.5, -0.5, 0.5], ddof=1))
+    assert ev.first_margin_change([], []) is None and ev.first_margin_change([1.0], [2.0])["sd"] is None
+    with pytest.raises(ValueError):
+        ev.first_margin_change([1.0], [])
+
+    def rec(i, fp, oiq):  # (hit, first-token margin) for each cache
+        return {"index": i, "length": 512, "depth": 0.5, "actual_depth": 0.5, "text": "a", "offset": 0,
+                "passkey": str(10000 + i),
+                "results": {n: {"hit": h, "answer": "", "margins": [m, 5.0]} for n, (h, m) in
+                            (("fp", fp), ("oiq-4", oiq))}}
+
+    # first-token changes on the trials both retrieve: +0.2, -0.2, +0.2, -0.2 (sd 0.2309)
+    recs = [rec(0, (True, 1.0), (True, 1.2)), rec(1, (True, 1.0), (True, 0.8)),
+            rec(2, (True, 2.0), (True, 2.2)), rec(3, (True, 2.0), (True, 1.8)),
+            rec(4, (True, 0.05), (False, 0.3)),   # fp barely chose: 0.22 sd, a coin flip
+            rec(5, (True, 0.5), (False, 0.3)),    # 2.17 sd: a real loss
+            rec(6, (False, 0.01), (True, 0.3))]   # fp's miss: no note
+    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    assert s["oiq-4"]["first_margin_change"]["n"] == 4
+    assert s["oiq-4"]["first_margin_change"]["sd"] == pytest.approx(np.std([0.2, -0.2, 0.2, -0.2], ddof=1))
+    res = {"caches": ["fp", "oiq-4"], "summary": s, "records": recs, "lengths": [512], "completed": 7,
+           "planned": 7, "trials_per_cell": 7, "depths": [0.5], "texts": ["a"]}
+    lines = {line.split(" ")[1]: line for line in ev.needle_stats_markdown(res).splitlines() if line.startswith("- #")}
+    assert set(lines) == {"#4", "#5", "#6"}
+    assert "fp's first-token margin 0.050 = 0.22 sd of oiq-4's, a coin flip]" in lines["#4"]
+    assert "= 2.17 sd of oiq-4's]" in lines["#5"] and "coin flip" not in lines["#5"]
+    assert "[" not in lines["#6"]
+
+
 def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     """A stand-in for the model answers with the prompt's passkey, except that
     oiq-4 misses needles in the first 30% of the haystack and fp misses those
