@@ -716,15 +716,22 @@ def paired_counts(ref, other) -> dict:
     }
 
 
-def margin_drop(ref: list, other: list) -> dict | None:
-    """Mean and standard error of ``ref - other`` over paired trials: how much
-    closer to a miss a cache's answers came than fp's (each value the smallest
-    top-1 vs runner-up log-probability margin over a trial's answer tokens)."""
+def _paired_differences(ref: list, other: list):
+    """``ref - other`` as float64 over paired trials, None when there are none."""
     if len(ref) != len(other):
         raise ValueError(f"paired margins need equal lengths, got {len(ref)} and {len(other)}")
     if not ref:
         return None
-    diff = np.asarray(ref, dtype=np.float64) - np.asarray(other, dtype=np.float64)
+    return np.asarray(ref, dtype=np.float64) - np.asarray(other, dtype=np.float64)
+
+
+def margin_drop(ref: list, other: list) -> dict | None:
+    """Mean and standard error of ``ref - other`` over paired trials: how much
+    closer to a miss a cache's answers came than fp's (each value the smallest
+    top-1 vs runner-up log-probability margin over a trial's answer tokens)."""
+    diff = _paired_differences(ref, other)
+    if diff is None:
+        return None
     se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else None
     return {"n": int(diff.size), "mean": float(diff.mean()), "se": se}
 
@@ -735,11 +742,10 @@ def first_margin_change(ref: list, other: list) -> dict | None:
     far a cache moves the decision a retrieval turns on.  A miss on a trial whose
     reference margin is well inside that spread is a coin flip of the cache's noise,
     not a sign that the cache lost the needle."""
-    if len(ref) != len(other):
-        raise ValueError(f"paired margins need equal lengths, got {len(ref)} and {len(other)}")
-    if not ref:
+    diff = _paired_differences(ref, other)
+    if diff is None:
         return None
-    diff = np.asarray(other, dtype=np.float64) - np.asarray(ref, dtype=np.float64)
+    diff = -diff
     sd = float(diff.std(ddof=1)) if diff.size > 1 else None
     return {"n": int(diff.size), "mean": float(diff.mean()), "sd": sd}
 
