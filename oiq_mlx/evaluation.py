@@ -29,6 +29,7 @@ returns one JSON-serialisable dict; :func:`markdown_table` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -569,10 +570,11 @@ def _greedy_trace(tokenizer, steps) -> dict:
     """Greedy tokens from a ``generate_step`` iterator, stopped once a run of
     digits has ended, with the log-probability margin between the chosen token
     and the runner-up at each step (how close a miss was)."""
-    out, margins = [], []
+    out, margins, first = [], [], None
     eos = set(getattr(tokenizer, "eos_token_ids", None) or [])
     for tok, logprobs in steps:
         t = int(tok)
+        first = t if first is None else first
         top2 = mx.topk(logprobs.reshape(-1), 2)
         margins.append(float(top2.max() - top2.min()))
         if t in eos:
@@ -580,7 +582,7 @@ def _greedy_trace(tokenizer, steps) -> dict:
         out.append(t)
         if re.search(r"\d+\D", tokenizer.decode(out)):
             break
-    return {"answer": tokenizer.decode(out), "margins": margins}
+    return {"answer": tokenizer.decode(out), "margins": margins, "first_token": first}
 
 
 def answer_trace(model, tokenizer, ids, cache, *, max_tokens: int = 8, prefill_step_size: int = 2048) -> dict:
@@ -642,35 +644,114 @@ def replay_first_chunk(cache, log) -> list:
     return cache
 
 
+class _CallLog:
+    """Records every ``update_and_fetch(keys, values)`` a prompt cache's layers get, in
+    order, as long as it is active (the methods are restored on exit)."""
+
+    def __init__(self, cache):
+        self.cache, self.calls = cache, [[] for _ in cache]
+
+    def __enter__(self):
+        for i, c in enumerate(self.cache):
+            def record(keys, values, _i=i, _orig=c.update_and_fetch):
+                self.calls[_i].append((keys, values))
+                return _orig(keys, values)
+
+            c.update_and_fetch = record
+        return self
+
+    def __exit__(self, *exc):
+        for c in self.cache:
+            vars(c).pop("update_and_fetch", None)
+
+    def prompt_calls(self, n: int) -> list:
+        """Per layer, the logged calls that wrote the first ``n`` rows (a prompt's prefill)."""
+        out = []
+        for calls in self.calls:
+            kept, rows = [], 0
+            for k, v in calls:
+                if rows >= n:
+                    break
+                kept.append((k, v))
+                rows += k.shape[2]
+            if rows != n:
+                raise ValueError(f"the logged calls of a layer wrote {rows} rows where the prefill wrote {n}")
+            out.append(kept)
+        return out
+
+
+def _answer_from(model, tokenizer, ids, cache, calls, *, max_tokens: int) -> dict:
+    """Write the logged prefill ``calls`` into ``cache`` call by call (as the model wrote
+    them), then answer from the last prompt token as ``generate_step`` does."""
+    for c, layer_calls in zip(cache, calls):
+        for k, v in layer_calls:
+            c.update_and_fetch(k, v)
+            if isinstance(c, OIQKVCache):
+                c.release_fresh()
+    mx.eval(_cache_arrays(cache))
+    return _greedy_trace(tokenizer, generate_step(mx.array(ids[-1:]), model, prompt_cache=cache,
+                                                  max_tokens=max_tokens))
+
+
 def trial_answers(model, tokenizer, ids, specs, *, max_tokens: int = 8, prefill_step_size: int = 2048,
-                  share_prefill: bool = True) -> dict:
+                  share_prefill: bool = True, attribute: bool = False) -> dict:
     """Each cache's :func:`answer_trace` on one prompt.  With ``share_prefill``
     the first prefill chunk (``min(prefill_step_size, len(ids) - 1)`` tokens) is
     run once in fp and replayed into every cache that attends it exactly
     (:func:`exact_prefill`); the rest of the prompt goes through
     ``generate_step`` with the same chunk boundaries, so each answer is the one
-    ``generate_step`` gives on the whole prompt (up to float rounding)."""
+    ``generate_step`` gives on the whole prompt (up to float rounding).
+
+    ``attribute`` (needs an fp spec first): each OIQ cache's trace also gets an
+    ``attribution`` with two hybrid answers that split what it changes.  ``read``: the
+    keys and values fp's prefill wrote, written into a fresh cache of this spec in the
+    same calls, answered through it (what reading the packed cache costs alone);
+    ``prefill``: the keys and values this cache's prefill wrote (computed by layers that
+    read earlier chunks packed), written into a fresh fp cache and answered exactly
+    (what the chunked prefill leaves in them alone)."""
+    if attribute and (not specs or specs[0].kind != "fp"):
+        raise ValueError("attribute needs the fp cache as the first spec")
     out = {}
-    n1 = min(prefill_step_size, len(ids) - 1)
+    n = len(ids) - 1
+    n1 = min(prefill_step_size, n)
     shared = [s for s in specs if exact_prefill(s)] if share_prefill and n1 > 0 else []
-    log = fp_cache = None
+    log = fp_cache = fp_calls = None
     t0 = time.perf_counter()
     if shared:
         fp_cache, log = record_first_chunk(model, ids, n1)
     t_shared = time.perf_counter() - t0
     for s in specs:
         t_run = time.perf_counter()
+        logged = attribute and (s.kind == "fp" or s.kind == "oiq")
         if s in shared:
-            cache = fp_cache if s.kind == "fp" and fp_cache is not None else replay_first_chunk(s.make_cache(model), log)
+            recorded = s.kind == "fp" and fp_cache is not None  # the first chunk is in it already
+            cache = fp_cache if recorded else s.make_cache(model)
             if s.kind == "fp":
                 fp_cache = None
-            steps = generate_step(mx.array(ids[n1:]), model, prompt_cache=cache, max_tokens=max_tokens,
-                                  prefill_step_size=prefill_step_size)
-            tr = _greedy_trace(tokenizer, steps)
+            calls = _CallLog(cache)
+            with calls if logged else contextlib.nullcontext():
+                if not recorded:
+                    replay_first_chunk(cache, log)
+                steps = generate_step(mx.array(ids[n1:]), model, prompt_cache=cache, max_tokens=max_tokens,
+                                      prefill_step_size=prefill_step_size)
+                tr = _greedy_trace(tokenizer, steps)
+            if logged and recorded:
+                calls.calls = [[kv, *c] for kv, c in zip(log, calls.calls)]
         else:
-            tr = answer_trace(model, tokenizer, ids, s.make_cache(model), max_tokens=max_tokens,
-                              prefill_step_size=prefill_step_size)
+            cache = s.make_cache(model)
+            calls = _CallLog(cache)
+            with calls if logged else contextlib.nullcontext():
+                tr = answer_trace(model, tokenizer, ids, cache, max_tokens=max_tokens,
+                                  prefill_step_size=prefill_step_size)
         tr["seconds"] = time.perf_counter() - t_run + (t_shared / len(shared) if s in shared else 0.0)
+        if logged and s.kind == "fp":
+            fp_calls = calls.prompt_calls(n)
+        elif logged:
+            tr["attribution"] = {
+                "read": _answer_from(model, tokenizer, ids, s.make_cache(model), fp_calls, max_tokens=max_tokens),
+                "prefill": _answer_from(model, tokenizer, ids, make_prompt_cache(model), calls.prompt_calls(n),
+                                        max_tokens=max_tokens),
+            }
         out[s.name] = tr
     return out
 
@@ -750,6 +831,32 @@ def first_margin_change(ref: list, other: list) -> dict | None:
     return {"n": int(diff.size), "mean": float(diff.mean()), "sd": sd}
 
 
+def _signed_first_margin(trace: dict, ref_trace: dict) -> float:
+    """The first answer token's margin, negative when that token is not ``ref``'s."""
+    m = trace["margins"][0]
+    return m if trace["first_token"] == ref_trace["first_token"] else -m
+
+
+def margin_attribution(records: list, ref: str, name: str) -> dict | None:
+    """Where cache ``name`` moves the first answer token's margin, over the trials ``ref``
+    retrieves whose results hold ``name``'s ``attribution`` (:func:`trial_answers`): the
+    change against ``ref`` (mean and standard deviation; negative when the first token is
+    another) of the cache itself (``full``), of reading it after ``ref``'s prefill
+    (``read``) and of its prefill's keys and values read exactly (``prefill``), and how
+    many of those trials each retrieves.  None without such trials."""
+    rows = [r["results"] for r in records
+            if r["results"][ref]["hit"] and "attribution" in r["results"].get(name, {})]
+    if not rows:
+        return None
+    out = {"n": len(rows)}
+    for part in ("full", "read", "prefill"):
+        traces = [(x[name] if part == "full" else x[name]["attribution"][part], x[ref]) for x in rows]
+        diff = np.array([_signed_first_margin(t, r) - r["margins"][0] for t, r in traces])
+        out[part] = {"mean": float(diff.mean()), "sd": float(diff.std(ddof=1)) if diff.size > 1 else None,
+                     "hits": int(sum(bool(t["hit"]) for t, _ in traces))}
+    return out
+
+
 def _rate(hits: list) -> dict:
     lo, hi = wilson_interval(sum(hits), len(hits))
     return {"hits": int(sum(hits)), "n": len(hits), "rate": sum(hits) / len(hits) if hits else None, "ci": [lo, hi]}
@@ -777,6 +884,9 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
                                                [min(r["results"][n]["margins"]) for r in hits])
             entry["first_margin_change"] = first_margin_change([r["results"][ref]["margins"][0] for r in hits],
                                                                [r["results"][n]["margins"][0] for r in hits])
+            attribution = margin_attribution(both, ref, n)
+            if attribution is not None:
+                entry["attribution"] = attribution
             entry["paired_by_length"] = {
                 str(L): paired_counts([r["results"][ref]["hit"] for r in both if r["length"] == L],
                                       [r["results"][n]["hit"] for r in both if r["length"] == L])
@@ -788,7 +898,7 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
 
 def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials: int, seed: int = 0,
                  chat: bool = True, max_tokens: int = 8, prefill_step_size: int = 2048, share_prefill: bool = True,
-                 progress=None, done=None, done_specs=None, checkpoint=None, only=None) -> dict:
+                 progress=None, done=None, done_specs=None, checkpoint=None, only=None, attribute: bool = False) -> dict:
     """Passkey retrieval over many trials per (length, depth) cell, every trial
     run through every cache in ``specs`` (the first is the paired reference).
 
@@ -805,7 +915,11 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
     kept only when it has every cache.  ``checkpoint(result)`` is called after
     each trial so a stopped run keeps what it measured (and the earlier run's
     trials not reached yet, as they were).  Returns a
-    JSON-serialisable dict with the per-trial ``records`` and the ``summary``."""
+    JSON-serialisable dict with the per-trial ``records`` and the ``summary``.
+
+    ``attribute``: each OIQ cache's results also get :func:`trial_answers`'s
+    ``attribution`` (the summary its :func:`margin_attribution`); a stored trial
+    without it is run again, fp included (its prefill is what the hybrids read)."""
     progress = progress or Progress(enabled=False)
     plan = plan_needle_trials(tokenizer, haystacks, lengths, depths, trials, seed=seed, chat=chat)
     planned = len(plan)
@@ -823,6 +937,9 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
 
     def reusable(old_rec) -> set:
         have = set(old_rec["results"])
+        if attribute and any(s.kind == "oiq" and "attribution" not in old_rec["results"].get(s.name, {})
+                             for s in specs):
+            return set()
         if done_specs is None:
             return set(names) if have >= set(names) else set()
         return {n for n in names if n in have and _same_config(done_specs.get(n), spec_dicts[n])}
@@ -859,13 +976,16 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
             "results": {n: r for n, r in done[t.index]["results"].items() if n not in names} if t.index in done else {},
         }
         answers = trial_answers(model, tokenizer, t.prompt.ids, run, max_tokens=max_tokens,
-                                prefill_step_size=prefill_step_size, share_prefill=share_prefill) if run else {}
+                                prefill_step_size=prefill_step_size, share_prefill=share_prefill,
+                                attribute=attribute) if run else {}
+        hit = lambda tr: {"hit": retrieved_passkey(tr["answer"]) == t.passkey, **tr}  # noqa: E731
         for name in names:
             if name in kept:
                 rec["results"][name] = kept[name]
             else:
-                tr = answers[name]
-                rec["results"][name] = {"hit": retrieved_passkey(tr["answer"]) == t.passkey, **tr}
+                rec["results"][name] = hit(answers[name])
+                if "attribution" in answers[name]:
+                    rec["results"][name]["attribution"] = {k: hit(v) for k, v in answers[name]["attribution"].items()}
         records.append(rec)
         if not run:
             continue
@@ -958,7 +1078,8 @@ def needle_stats_markdown(result: dict) -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {_fmt_rate(s['all'])} | " + " | ".join(extra) + " |")
     lines += ["", "margin: the smallest log-probability gap between the chosen answer token and the runner-up over "
               f"a trial's answer; margin drop: its mean decrease against {ref} (± standard error) on trials both "
-              "retrieve.", *_first_margin_lines(names, summary, ref), "", "by depth (all lengths): " + "; ".join(
+              "retrieve.", *_first_margin_lines(names, summary, ref), *_attribution_lines(names, summary, ref),
+              "", "by depth (all lengths): " + "; ".join(
         f"{n}: " + ", ".join(f"{float(d):.2f} {r['hits']}/{r['n']}" for d, r in summary[n]["by_depth"].items())
         for n in names)]
     discordant = [r for r in result["records"] if len({bool(v["hit"]) for v in r["results"].values()}) > 1]
@@ -980,6 +1101,21 @@ def _first_margin_lines(names, summary, ref) -> list:
     return ["", f"first answer token's margin, change against {ref} on trials both retrieve (mean ± standard "
             "deviation): " + "; ".join(parts) + f". A miss of a trial {ref} retrieves with a first-token margin "
             "within one such deviation is marked a coin flip: the cache's usual noise decides it."]
+
+
+def _attribution_lines(names, summary, ref) -> list:
+    lines = []
+    for n in names:
+        a = summary[n].get("attribution")
+        if a is None:
+            continue
+        sd = lambda p: "" if a[p]["sd"] is None else f" ± {a[p]['sd']:.2f}"  # noqa: E731
+        part = lambda p: f"{a[p]['mean']:+.2f}{sd(p)} ({a[p]['hits']}/{a['n']} retrieved)"  # noqa: E731
+        lines.append(f"{n}, where the first answer token's margin goes ({a['n']} trials {ref} retrieves; change "
+                     f"against {ref}, mean ± sd, negative when the first token is another): the cache "
+                     f"{part('full')}; reading it after {ref}'s prefill {part('read')}; its prefill's keys and "
+                     f"values read exactly {part('prefill')}.")
+    return ["", *lines] if lines else []
 
 
 def _coin_flip_note(record, summary, ref) -> str:

@@ -4,7 +4,10 @@ run through every cache; retrieval rates with 95% Wilson intervals and a paired
 comparison against the first cache (fp: how many of fp's hits each cache
 misses, and the reverse, with McNemar's exact test); and how far each cache
 moves the first answer token's margin on trials both retrieve, against which a
-miss where fp itself barely chose the digits is marked a coin flip.
+miss where fp itself barely chose the digits is marked a coin flip.  With
+--attribute, each OIQ cache's change to that margin is split in two: reading the
+packed cache after fp's own prefill, and the chunked prefill's keys and values
+(computed by layers that read earlier chunks packed) read exactly.
 
 Thin front end over ``oiq_mlx.evaluation.needle_stats``.  Answers are greedy,
 through ``mlx_lm.generate_step`` as in ``mlx_lm.generate``: the prompt but its
@@ -76,6 +79,11 @@ def main(argv=None):
                         "('#4' is 4; 0 to trials x cells - 1), e.g. the ones a cache missed, with other caches. "
                         "The same plan options as the run they come from pick the same trials; with --resume "
                         "on its file the other trials are kept as they are")
+    p.add_argument("--attribute", action="store_true",
+                   help="split each OIQ cache's effect on the answer: also answer from fp's prefill written into the "
+                        "OIQ cache (what reading the packed cache costs) and from the OIQ prefill's keys and values "
+                        "in an fp cache (what the chunked prefill costs). About two extra answers per trial and cache; "
+                        "with --resume, stored trials without it run again, fp included")
     p.add_argument("--json", default=None, help="results file, rewritten after every trial")
     p.add_argument("--markdown", default=None, help="also write the markdown report to this file")
     p.add_argument("--resume", action="store_true", help="keep the trials already in --json (same plan) and run the rest; on finished trials, run "
@@ -143,7 +151,7 @@ def main(argv=None):
                              trials=trials, seed=args.seed, chat=not args.no_chat, max_tokens=args.max_tokens,
                              prefill_step_size=args.prefill_step_size,
                              share_prefill=not args.no_share_prefill, progress=progress, done=done, done_specs=done_specs,
-                             checkpoint=checkpoint, only=args.only)
+                             checkpoint=checkpoint, only=args.only, attribute=args.attribute)
     checkpoint(result)
     report = ev.needle_stats_markdown(finish(result))
     print(report)

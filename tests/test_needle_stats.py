@@ -310,6 +310,35 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
         with pytest.raises(ValueError, match="indices 0..23"):
             ev.needle_stats(None, tok, specs, only=bad, **kw)
 
+    # attribute: stored trials without the hybrids run again, fp included (its prefill is what
+    # they read); the hybrids' hits are scored like the answers; a second resume runs nothing
+    def attributed(m, t, ids, specs, attribute=False, **k):
+        ran.append([s.name for s in specs])
+        out = answers(m, t, ids, specs, **k)
+        for s in specs:
+            out[s.name]["first_token"] = 0
+            if attribute and s.kind == "oiq":
+                out[s.name]["attribution"] = {"read": {"answer": " 1.", "margins": [1.0], "first_token": 1},
+                                              "prefill": {"answer": " 2.", "margins": [0.5], "first_token": 2}}
+        return out
+
+    monkeypatch.setattr(ev, "trial_answers", attributed)
+    ran.clear()
+    res5 = ev.needle_stats(None, tok, specs, done=res["records"], done_specs=res["specs"], only=pick, attribute=True,
+                           **kw)
+    assert ran == [["fp", "oiq-4"]] * 3
+    for r in res5["records"]:
+        a = r["results"]["oiq-4"].get("attribution")
+        assert (a is not None) == (r["index"] in pick)
+        if a is not None:
+            assert a["read"]["hit"] is False and a["prefill"]["hit"] is False
+    att = res5["summary"]["oiq-4"]["attribution"]  # only the picked trials fp retrieves count
+    assert att["n"] == sum(r["results"]["fp"]["hit"] for r in res5["records"] if r["index"] in pick)
+    assert att["prefill"]["mean"] == pytest.approx(-1.5) and att["read"]["hits"] == 0
+    ran.clear()
+    ev.needle_stats(None, tok, specs, done=res5["records"], done_specs=res5["specs"], only=pick, attribute=True, **kw)
+    assert ran == []
+
 
 def tiny_llama(seed=0):
     mx.random.seed(seed)
@@ -350,6 +379,71 @@ def test_shared_first_chunk_gives_generate_steps_answers(length, step):
         assert isinstance(a, OIQKVCache) and a.offset == b.offset == n1
         for x, y in zip(a.dequantized_kv(), b.dequantized_kv()):
             np.testing.assert_allclose(np.array(x), np.array(y), atol=1e-4)
+
+
+@pytest.mark.parametrize("step, oiq", [(512, "preset:4bit[window=16]"), (300, "oiq-4"),
+                                       (64, "preset:4bit[window=4096]")])
+@pytest.mark.parametrize("share", [True, False])
+def test_attribution_hybrids_are_built_from_the_right_rows(step, oiq, share):
+    """Where the OIQ prefill is exact (one prefill chunk, or a window that packs nothing),
+    its keys and values are fp's: the ``read`` hybrid (fp's prefill written into the OIQ
+    cache) must answer as the cache itself and the ``prefill`` hybrid (the OIQ prefill's
+    rows in an fp cache) as fp, call for call, whether the first chunk was shared or not."""
+    model, tok = tiny_llama(), CharTokenizer()
+    ids = tok.encode((TEXT_A * 3)[:300])
+    specs = [parse_spec("fp"), parse_spec(oiq)]
+    out = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=share,
+                           attribute=True)
+    a = out[oiq]["attribution"]
+    assert "attribution" not in out["fp"]
+    for hybrid, like in ((a["read"], out[oiq]), (a["prefill"], out["fp"])):
+        assert (hybrid["answer"], hybrid["first_token"]) == (like["answer"], like["first_token"])
+        np.testing.assert_allclose(hybrid["margins"], like["margins"], atol=2e-3)
+    with pytest.raises(ValueError, match="fp cache as the first"):
+        ev.trial_answers(model, tok, ids, specs[::-1], attribute=True)
+
+
+def test_call_log_keeps_the_prompt_calls_and_restores_the_methods():
+    cache = [parse_spec("fp").make_cache(tiny_llama())[0]]
+    with ev._CallLog(cache) as log:
+        for n in (5, 3, 1, 1):
+            cache[0].update_and_fetch(mx.zeros((1, 2, n, 32)), mx.zeros((1, 2, n, 32)))
+    assert "update_and_fetch" not in vars(cache[0]) and cache[0].offset == 10
+    assert [k.shape[2] for k, _ in log.prompt_calls(9)[0]] == [5, 3, 1]
+    with pytest.raises(ValueError, match="wrote 8 rows where the prefill wrote 7"):
+        log.prompt_calls(7)
+
+
+def test_margin_attribution_constructed():
+    def tr(hit, m, first=1):
+        return {"hit": hit, "answer": "", "margins": [m, 5.0], "first_token": first}
+
+    def rec(i, fp, full, read, prefill):
+        return {"index": i, "length": 512, "depth": 0.5, "actual_depth": 0.5, "text": "a", "offset": 0,
+                "passkey": str(10000 + i),
+                "results": {"fp": tr(*fp), "oiq-4": {**tr(*full), "attribution": {"read": tr(*read),
+                                                                                  "prefill": tr(*prefill)}}}}
+
+    recs = [rec(0, (True, 1.0), (True, 0.6), (True, 0.7), (True, 1.1)),
+            rec(1, (True, 0.3), (False, 0.2, 2), (True, 0.1), (False, 0.1, 3)),  # other first token: -0.2
+            rec(2, (False, 0.5), (True, 9.0), (True, 9.0), (True, 9.0))]  # fp's miss: not counted
+    recs.append({**rec(3, (True, 1.0), (True, 1.0), (True, 1.0), (True, 1.0))})
+    del recs[-1]["results"]["oiq-4"]["attribution"]  # a trial run without --attribute: not counted
+    a = ev.margin_attribution(recs, "fp", "oiq-4")
+    assert a["n"] == 2
+    assert a["full"]["mean"] == pytest.approx((-0.4 - 0.5) / 2) and a["full"]["hits"] == 1
+    assert a["read"]["mean"] == pytest.approx((-0.3 - 0.2) / 2) and a["read"]["hits"] == 2
+    assert a["prefill"]["mean"] == pytest.approx((0.1 - 0.4) / 2)
+    assert a["prefill"]["sd"] == pytest.approx(np.std([0.1, -0.4], ddof=1)) and a["prefill"]["hits"] == 1
+    assert ev.margin_attribution(recs[2:], "fp", "oiq-4") is None
+    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    assert s["oiq-4"]["attribution"] == a and "attribution" not in s["fp"]
+    res = {"caches": ["fp", "oiq-4"], "summary": s, "records": recs, "lengths": [512], "completed": 4,
+           "planned": 4, "trials_per_cell": 4, "depths": [0.5], "texts": ["a"]}
+    md = ev.needle_stats_markdown(res)
+    assert ("oiq-4, where the first answer token's margin goes (2 trials fp retrieves" in md
+            and "the cache -0.45 ± 0.07 (1/2 retrieved); reading it after fp's prefill -0.25 ± 0.07 (2/2 "
+            "retrieved); its prefill's keys and values read exactly -0.15 ± 0.35 (1/2 retrieved)." in md)
 
 
 def test_record_first_chunk_restores_the_cache_methods():
