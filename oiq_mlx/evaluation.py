@@ -886,6 +886,8 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
                                                                [r["results"][n]["margins"][0] for r in hits])
             attribution = margin_attribution(both, ref, n)
             if attribution is not None:
+                attribution["by_depth"] = {str(d): a for d in sorted({r["depth"] for r in both})
+                                           if (a := margin_attribution([r for r in both if r["depth"] == d], ref, n))}
                 entry["attribution"] = attribution
             entry["paired_by_length"] = {
                 str(L): paired_counts([r["results"][ref]["hit"] for r in both if r["length"] == L],
@@ -1115,6 +1117,11 @@ def _attribution_lines(names, summary, ref) -> list:
                      f"against {ref}, mean ± sd, negative when the first token is another): the cache "
                      f"{part('full')}; reading it after {ref}'s prefill {part('read')}; its prefill's keys and "
                      f"values read exactly {part('prefill')}.")
+        by = a.get("by_depth", {})
+        if len(by) > 1:
+            lines.append("  by depth (cache / read / prefill, mean change, retrieved of n): " + "; ".join(
+                f"{float(d):.2f}: " + " / ".join(f"{b[p]['mean']:+.2f} {b[p]['hits']}" for p in ("full", "read", "prefill"))
+                + f" of {b['n']}" for d, b in by.items()))
     return ["", *lines] if lines else []
 
 

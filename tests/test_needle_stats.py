@@ -436,14 +436,21 @@ def test_margin_attribution_constructed():
     assert a["prefill"]["mean"] == pytest.approx((0.1 - 0.4) / 2)
     assert a["prefill"]["sd"] == pytest.approx(np.std([0.1, -0.4], ddof=1)) and a["prefill"]["hits"] == 1
     assert ev.margin_attribution(recs[2:], "fp", "oiq-4") is None
+    recs[1]["depth"] = 1.0
     s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    by = s["oiq-4"]["attribution"].pop("by_depth")
     assert s["oiq-4"]["attribution"] == a and "attribution" not in s["fp"]
+    assert by == {"0.5": ev.margin_attribution(recs[:1], "fp", "oiq-4"),
+                  "1.0": ev.margin_attribution(recs[1:2], "fp", "oiq-4")}
+    s["oiq-4"]["attribution"]["by_depth"] = by
     res = {"caches": ["fp", "oiq-4"], "summary": s, "records": recs, "lengths": [512], "completed": 4,
            "planned": 4, "trials_per_cell": 4, "depths": [0.5], "texts": ["a"]}
     md = ev.needle_stats_markdown(res)
     assert ("oiq-4, where the first answer token's margin goes (2 trials fp retrieves" in md
             and "the cache -0.45 ± 0.07 (1/2 retrieved); reading it after fp's prefill -0.25 ± 0.07 (2/2 "
             "retrieved); its prefill's keys and values read exactly -0.15 ± 0.35 (1/2 retrieved)." in md)
+    assert "by depth (cache / read / prefill, mean change, retrieved of n): 0.50: -0.40 1 / -0.30 1 / +0.10 1 of 1; " \
+           "1.00: -0.50 0 / -0.20 1 / -0.40 0 of 1" in md
 
 
 def test_record_first_chunk_restores_the_cache_methods():
