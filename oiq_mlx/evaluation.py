@@ -606,44 +606,6 @@ def exact_prefill(spec) -> bool:
     return spec.kind in EXACT_PREFILL_KINDS and not (spec.kind == "oiq" and spec.oiq.positional)
 
 
-def record_first_chunk(model, ids, n: int) -> tuple[list, list]:
-    """Prefill ``ids[:n]`` into a fresh fp prompt cache, as ``generate_step``'s
-    first chunk, recording each layer's ``update_and_fetch(keys, values)``
-    arguments.  Returns the cache and the per-layer records."""
-    cache = make_prompt_cache(model)
-    log = [None] * len(cache)
-    for i, c in enumerate(cache):
-        def record(keys, values, _i=i, _orig=c.update_and_fetch):
-            if log[_i] is not None:
-                raise ValueError(f"cache layer {_i} was written twice in one forward pass (a model that shares "
-                                 "caches between layers); run with share_prefill=False (--no-share-prefill)")
-            log[_i] = (keys, values)
-            return _orig(keys, values)
-
-        c.update_and_fetch = record
-    try:
-        model(mx.array(ids[:n])[None], cache=cache)
-        mx.eval([c.state for c in cache] + [x for kv in log if kv is not None for x in kv])
-    finally:
-        for c in cache:
-            del c.update_and_fetch
-    if any(kv is None for kv in log):
-        raise ValueError("the model left some cache layers unwritten in its forward pass; run with "
-                         "share_prefill=False (--no-share-prefill)")
-    return cache, log
-
-
-def replay_first_chunk(cache, log) -> list:
-    """Write the recorded first chunk into ``cache`` (what the model would write
-    into a cache of an exact-prefill kind) and evaluate it as ``generate_step`` does."""
-    for c, (k, v) in zip(cache, log):
-        c.update_and_fetch(k, v)
-        if isinstance(c, OIQKVCache):
-            c.release_fresh()
-    mx.eval([c.state for c in cache])
-    return cache
-
-
 class _CallLog:
     """Records every ``update_and_fetch(keys, values)`` a prompt cache's layers get, in
     order, as long as it is active (the methods are restored on exit)."""
@@ -680,15 +642,47 @@ class _CallLog:
         return out
 
 
-def _answer_from(model, tokenizer, ids, cache, calls, *, max_tokens: int) -> dict:
-    """Write the logged prefill ``calls`` into ``cache`` call by call (as the model wrote
-    them), then answer from the last prompt token as ``generate_step`` does."""
+def record_first_chunk(model, ids, n: int) -> tuple[list, list]:
+    """Prefill ``ids[:n]`` into a fresh fp prompt cache, as ``generate_step``'s
+    first chunk, recording each layer's ``update_and_fetch(keys, values)``
+    arguments.  Returns the cache and the per-layer records."""
+    cache = make_prompt_cache(model)
+    with _CallLog(cache) as calls:
+        model(mx.array(ids[:n])[None], cache=cache)
+        mx.eval([c.state for c in cache] + [x for layer in calls.calls for kv in layer for x in kv])
+    twice = [i for i, layer in enumerate(calls.calls) if len(layer) > 1]
+    if twice:
+        raise ValueError(f"cache layer {twice[0]} was written twice in one forward pass (a model that shares "
+                         "caches between layers); run with share_prefill=False (--no-share-prefill)")
+    if any(not layer for layer in calls.calls):
+        raise ValueError("the model left some cache layers unwritten in its forward pass; run with "
+                         "share_prefill=False (--no-share-prefill)")
+    return cache, [layer[0] for layer in calls.calls]
+
+
+def _write_calls(cache, calls) -> list:
+    """Write recorded ``update_and_fetch`` calls (per layer, a list of ``(keys, values)``)
+    into ``cache`` call by call, as the model wrote them, and evaluate it as
+    ``generate_step`` does."""
     for c, layer_calls in zip(cache, calls):
         for k, v in layer_calls:
             c.update_and_fetch(k, v)
             if isinstance(c, OIQKVCache):
                 c.release_fresh()
-    mx.eval(_cache_arrays(cache))
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def replay_first_chunk(cache, log) -> list:
+    """Write the recorded first chunk into ``cache`` (what the model would write
+    into a cache of an exact-prefill kind) and evaluate it as ``generate_step`` does."""
+    return _write_calls(cache, [[kv] for kv in log])
+
+
+def _answer_from(model, tokenizer, ids, cache, calls, *, max_tokens: int) -> dict:
+    """Write the logged prefill ``calls`` into ``cache`` (:func:`_write_calls`), then
+    answer from the last prompt token as ``generate_step`` does."""
+    _write_calls(cache, calls)
     return _greedy_trace(tokenizer, generate_step(mx.array(ids[-1:]), model, prompt_cache=cache,
                                                   max_tokens=max_tokens))
 
@@ -722,27 +716,23 @@ def trial_answers(model, tokenizer, ids, specs, *, max_tokens: int = 8, prefill_
     t_shared = time.perf_counter() - t0
     for s in specs:
         t_run = time.perf_counter()
-        logged = attribute and (s.kind == "fp" or s.kind == "oiq")
-        if s in shared:
-            recorded = s.kind == "fp" and fp_cache is not None  # the first chunk is in it already
-            cache = fp_cache if recorded else s.make_cache(model)
-            if s.kind == "fp":
-                fp_cache = None
-            calls = _CallLog(cache)
-            with calls if logged else contextlib.nullcontext():
-                if not recorded:
-                    replay_first_chunk(cache, log)
-                steps = generate_step(mx.array(ids[n1:]), model, prompt_cache=cache, max_tokens=max_tokens,
-                                      prefill_step_size=prefill_step_size)
-                tr = _greedy_trace(tokenizer, steps)
-            if logged and recorded:
-                calls.calls = [[kv, *c] for kv, c in zip(log, calls.calls)]
-        else:
-            cache = s.make_cache(model)
-            calls = _CallLog(cache)
-            with calls if logged else contextlib.nullcontext():
+        logged = attribute and s.kind in ("fp", "oiq")
+        recorded = s in shared and s.kind == "fp" and fp_cache is not None  # the first chunk is in it already
+        cache = fp_cache if recorded else s.make_cache(model)
+        if s.kind == "fp":
+            fp_cache = None
+        calls = _CallLog(cache)
+        with calls if logged else contextlib.nullcontext():
+            if s not in shared:
                 tr = answer_trace(model, tokenizer, ids, cache, max_tokens=max_tokens,
                                   prefill_step_size=prefill_step_size)
+            else:
+                if not recorded:
+                    replay_first_chunk(cache, log)
+                tr = _greedy_trace(tokenizer, generate_step(mx.array(ids[n1:]), model, prompt_cache=cache,
+                                                            max_tokens=max_tokens, prefill_step_size=prefill_step_size))
+        if logged and recorded:
+            calls.calls = [[kv, *c] for kv, c in zip(log, calls.calls)]
         tr["seconds"] = time.perf_counter() - t_run + (t_shared / len(shared) if s in shared else 0.0)
         if logged and s.kind == "fp":
             fp_calls = calls.prompt_calls(n)
