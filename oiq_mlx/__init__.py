@@ -23,7 +23,7 @@ from .rotation import hadamard_block_size, is_rotatable, random_signs, rotate, r
 from .config import OIQConfig  # noqa: E402
 from .cache import OIQKVCache  # noqa: E402
 from .attention import oiq_attention  # noqa: E402
-from .integration import install, make_oiq_cache  # noqa: E402
+from .integration import end_prefill, install, make_oiq_cache  # noqa: E402
 
 # load_prompt_cache must find OIQKVCache, and hand-built OIQ caches must reach OIQ attention,
 # without the user calling anything first
@@ -37,6 +37,7 @@ __all__ = [
     "OIQConfig",
     "OIQKVCache",
     "default_text",
+    "end_prefill",
     "demo_model_path",
     "gemma3_model_path",
     "install",

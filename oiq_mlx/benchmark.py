@@ -259,8 +259,11 @@ def run_model(
     next prompt token (teacher forcing: same work as free-running decoding,
     and the cache keeps holding the prompt, so the next context continues
     from it).  ``prefill_s`` is the prefill time of all ``n`` tokens (sum of
-    chunk times, decode steps excluded); ``prefill_peak_bytes`` the largest
-    per-chunk peak so far.  The last context is shortened when decoding
+    chunk times and of the first decode step after each prefill, as mlx-lm counts
+    the last prompt token's step as prompt time; with ``exact_prefill`` that step
+    packs the prompt); ``prefill_peak_bytes`` the largest peak of those so far.
+    ``kv_bytes_after_prefill`` is taken before that step (an ``exact_prefill``
+    cache still holds the prompt in full precision there).  The last context is shortened when decoding
     would pass the model's maximum (``prompt_tokens`` says by how much).
 
     Every byte figure is over the memory active before the measured work:
@@ -269,6 +272,7 @@ def run_model(
     install()
     if decode_steps < 1 or warmup < 0:
         raise ValueError("decode_steps must be >= 1 and warmup >= 0")
+    warmup = max(warmup, 1)  # the first step after a prefill is prefill's (below), never timed as decode
     n_dec = warmup + decode_steps
     max_ctx = model_max_context(model)
     stages = []
@@ -315,12 +319,19 @@ def run_model(
             _log(progress, f"bench: ctx {n} {spec.name}: prefill to {n_prompt} tokens {seconds:.2f} s")
         for step in range(n_dec):
             token = tokens[n_prompt + step]
-            for cache, row in zip(caches, rows):
+            for i, (cache, row) in enumerate(zip(caches, rows)):
                 held = kv_nbytes(cache)
                 before = _start_peak()
                 t0 = time.perf_counter()
                 _decode_step(model, cache, token)
                 dt = time.perf_counter() - t0
+                if step == 0:
+                    # the step after a prefill belongs to it (mlx_lm.generate counts the last
+                    # prompt token's step as prompt time), and with exact_prefill it packs the prompt
+                    prefill[i][0] += dt
+                    prefill[i][1] = max(prefill[i][1], held + _peak_since(before))
+                    row["prefill_s"], row["prefill_peak_bytes"] = prefill[i]
+                    row["prefill_tokens_per_s"] = n_prompt / prefill[i][0]
                 if step >= warmup:
                     row["decode_ms"].append(dt * 1e3)
                     row["decode_peak_bytes"] = max(row["decode_peak_bytes"], held + _peak_since(before))
@@ -467,6 +478,9 @@ def run_attention(
                 k1, k2, key = mx.random.split(key, 3)
                 kv = mx.random.normal((2, 1, n_kv_heads, m, head_dim), key=k1).astype(dtype)
                 cache.update_and_fetch(kv[0], kv[1])
+                mx.eval(_arrays(cache))
+            if isinstance(cache, OIQKVCache):
+                cache.end_prefill()  # exact_prefill: the decode steps timed here read the prompt packed
                 mx.eval(_arrays(cache))
             caches.append(cache)
             rows.append({

@@ -280,6 +280,9 @@ class OIQKVCache(_BaseCache):
         # once, and a packed block once (codes and scales joined in one row, codec.join_rows)
         self._kv_recent = self._kv_rows = None
         self._views = None  # memo of _packed_views
+        # exact_prefill: the prompt is being prefilled and its rows wait in full precision
+        # until the first one-token call (end_prefill)
+        self._prefilling = self.config.exact_prefill > 0 and not self.config.positional
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
         self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling, cfg.key_scaling_cap)
@@ -326,11 +329,14 @@ class OIQKVCache(_BaseCache):
             self._call_tokens = 0
             return self, self
         bh = tuple(keys.shape[:2])
+        deferring = self._prefilling and L > 1 and start + L <= cfg.exact_prefill
+        if self._prefilling and not deferring:
+            self.end_prefill()
         # rows from here on (the window as this call finds it, and the call's own rows) are
         # attended in full precision by this call's queries, even those the call packs
         self._attend_from = found = max(self.q_end, cfg.sink_tokens)
         self._fresh = found_rows = None
-        packs_own = self.packed_end(start + L) > start
+        packs_own = not deferring and self.packed_end(start + L) > start
         if packs_own and start > found:
             # a call that packs some of its own rows (a prompt, a chunk): the rows it found in
             # the window are kept aside (views of the buffer as it is now), its own rows are
@@ -340,7 +346,7 @@ class OIQKVCache(_BaseCache):
         n_sink = max(0, min(cfg.sink_tokens, start + L) - start)
         if L > n_sink:
             self._reserve_recent(start + L, bh)
-        k_rows, v_rows, both = self._to_window(keys, values, n_sink)
+        k_rows, v_rows, both = self._to_window(keys, values, n_sink, estimate=not deferring)
         if packs_own:
             cut = max(start, cfg.sink_tokens) - start  # sinks are stored exactly already
             own = (k_rows[:, :, cut:], v_rows[:, :, cut:])
@@ -362,10 +368,49 @@ class OIQKVCache(_BaseCache):
                     side.recent[:, :, a : a + L - n_sink] = y[:, :, n_sink:]
         self.offset = start + L
         self._call_tokens = L
-        self._flush(bh)
+        if not deferring:
+            self._flush(bh)
         return self, self
 
-    def _to_window(self, keys: mx.array, values: mx.array, skip: int):
+    def end_prefill(self):
+        """``exact_prefill``: end the prompt's prefill now.  The rows it kept in full
+        precision are packed as a prompt written in one call leaves them, with the
+        statistics estimated on all of them (the sinks left out, as the first call's
+        estimate leaves them out), and the full-precision buffer drops what is packed.
+        Called by the first one-token call and by a call that would take the cache past
+        ``exact_prefill`` tokens, before they write; call it yourself before saving a
+        prompt's cache (``oiq-cache-prompt`` does) or to free the memory early.  A no-op
+        once the prefill has ended, and without ``exact_prefill``."""
+        if not self._prefilling:
+            return
+        self._prefilling = False
+        if self.dtype is None or self.offset == 0:
+            return  # nothing waited: the call ending it estimates on its own rows
+        if self.k.needs_statistics or self.v.needs_statistics:
+            # the rows held are the prompt's: estimated as the first call's rows would be
+            # had the prompt come in one call (its sinks left out unless it is all sinks)
+            n_sink = min(self.config.sink_tokens, self.offset)
+            for side in (self.k, self.v):
+                if side.needs_statistics:
+                    rows = side.sink[:, :, :n_sink]
+                    if side.recent is not None and self.offset > n_sink:
+                        rows = mx.concatenate([rows, side.recent[:, :, : self.offset - self.recent_start]], axis=2)
+                    side.estimate(rows, n_sink)
+            self._stacked = None
+            self._shift_held(center=True)
+        self._attend_from = self._fresh = None
+        bh = self.batch_heads
+        self._flush(bh)
+        if self._keep_from() > self.recent_start:
+            self._compact(self.offset, bh)
+
+    @property
+    def prefilling(self) -> bool:
+        """True while ``exact_prefill`` keeps the prompt's rows in full precision
+        (until :meth:`end_prefill`)."""
+        return self._prefilling
+
+    def _to_window(self, keys: mx.array, values: mx.array, skip: int, estimate: bool = True):
         """New keys and values as the window stores them: padded, minus the side's mean
         (estimated on the first chunk, its first ``skip`` tokens left out), in the
         cache dtype.  Not rotated: only rows that get packed are (DESIGN.md section 13).
@@ -373,7 +418,7 @@ class OIQKVCache(_BaseCache):
         elementwise pass) when their widths agree, else None."""
         k, v = self.k, self.v
         keys, values = pad_last(keys, k.dim), pad_last(values, v.dim)
-        if not self.config.positional:
+        if estimate and not self.config.positional:
             for side, x in ((k, keys), (v, values)):
                 if side.needs_statistics:
                     side.estimate(x, skip)
@@ -883,6 +928,8 @@ class OIQKVCache(_BaseCache):
         }
         if self.layout is not None:
             meta["layout"] = self.layout
+        if self._prefilling and self.dtype is not None:
+            meta["prefilling"] = True  # the rows wait in full precision for end_prefill
         meta["digest"] = _digest(meta)
         return arrays + [json.dumps(meta)]
 
@@ -899,6 +946,7 @@ class OIQKVCache(_BaseCache):
         self.offset, self.q_end, self.recent_start = meta["offset"], meta["q_end"], meta["recent_start"]
         if meta["dtype"] is None:
             return
+        self._prefilling = meta.get("prefilling", False)
         self.dtype = _DTYPES[meta["dtype"]]
         n_sink, n_q, n_rec = self._held_rows()
         for i, (side, arrays) in enumerate(zip((self.k, self.v), sides)):
@@ -983,6 +1031,11 @@ def _parse_state(v):
         expected.add("layout")
         if not isinstance(meta["layout"], dict):
             raise _refuse("layout", f"must be a JSON object, got {type(meta['layout']).__name__}")
+    # a cache saved while exact_prefill kept its prompt in full precision
+    if "format" in meta and "prefilling" in meta:
+        expected.add("prefilling")
+        if meta["prefilling"] is not True:
+            raise _refuse("prefilling", f"must be true when present, got {meta['prefilling']!r}")
     if set(meta) != expected:
         raise _refuse("metadata", f"fields do not match format {FORMAT_VERSION}: missing "
                                   f"{sorted(expected - set(meta))}, unknown {sorted(set(meta) - expected)}")
@@ -1009,6 +1062,10 @@ def _parse_state(v):
     if meta["dtype"] is None:
         _check_empty_state(meta, sides, s)
     else:
+        if meta.get("prefilling") and (cfg.positional or q_end != s or offset > cfg.exact_prefill):
+            raise _refuse("prefilling", f"needs exact_prefill >= offset, positional off and nothing packed "
+                                        f"(q_end = sink_tokens); got exact_prefill={cfg.exact_prefill}, "
+                                        f"positional={cfg.positional}, offset={offset}, q_end={q_end}")
         if not s <= recent_start <= q_end <= max(s, offset):
             raise _refuse("q_end", f"and recent_start must satisfy sink_tokens <= recent_start <= q_end <= "
                                    f"max(sink_tokens, offset); got sink_tokens={s}, recent_start={recent_start}, "
@@ -1118,6 +1175,12 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
                 if a is not None:
                     raise _refuse(f"{side} {name}", "is present but nothing is packed yet (positional=true "
                                                     "estimates it when the first block is packed)")
+                continue
+            if meta.get("prefilling"):
+                # exact_prefill estimates them when the prefill ends
+                if a is not None:
+                    raise _refuse(f"{side} {name}", "is present but the prompt is still being prefilled "
+                                                    "(exact_prefill estimates it when the prefill ends)")
                 continue
             if a is None:
                 if offset > 0:

@@ -36,6 +36,7 @@ from .cli import (
     read_prompt,
     run,
 )
+from .integration import end_prefill
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,6 +88,7 @@ def _main(argv) -> int:
                            prompt_progress_callback=progress):
         pass
     print(file=sys.stderr)
+    end_prefill(cache)  # exact_prefill: the file holds the prompt packed
     print(f"Peak memory: {mx.get_peak_memory() / 1e9:.3f} GB", file=sys.stderr)
     print(memory_line(cache, cache_label(cache)), file=sys.stderr)
     print(f"Saving {args.prompt_cache_file}", file=sys.stderr)

@@ -99,6 +99,7 @@ def layer_errors(model, tokens, config: OIQConfig, choices, *, records=None) -> 
             cache.update_and_fetch(k, v)
             # as evaluation._layer_attention: score what is stored, as later queries see it
             cache.release_fresh()
+            cache.end_prefill()
             o = oiq_attention(q, cache, scale=scale, mask="causal", sinks=sinks)
             errs[tuple(bits)] = float(mx.mean(1.0 - cosine_rows(o, ref)))
         out[li] = errs

@@ -141,6 +141,12 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
                         "so results do not depend on how tokens were split into calls and a prompt cache "
                         "reuses prefixes exactly (default: on in oiq-server, off in oiq-generate, where a "
                         "prompt is attended in full precision within each call)")
+    o.add_argument("--exact-prefill", type=int, default=None, metavar="N",
+                   help="keep up to N prompt tokens in full precision while the prompt is prefilled in chunks "
+                        "(--prefill-step-size) and pack them when generation starts, so that later chunks "
+                        "read earlier ones exactly, as a prompt prefilled in one call is read (costs their "
+                        "full-precision keys and values until then; every preset keeps up to 16384; 0 = off; "
+                        "no effect with --positional)")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
 
 
@@ -194,6 +200,7 @@ _OIQ_FIELDS = {
     "key_scaling_cap": "key_scaling_cap",
     "layer_bits": "layer_bits",
     "positional": "positional",
+    "exact_prefill": "exact_prefill",
 }
 
 
@@ -263,6 +270,8 @@ def cache_label(cache) -> str:
         label += ", layers " + layer_bits_text(cfg.layer_bits)
     if cfg.positional:
         label += ", positional"
+    if cfg.exact_prefill != OIQConfig().exact_prefill and not cfg.positional:
+        label += f", exact prefill {cfg.exact_prefill or 'off'}"
     return label
 
 

@@ -32,12 +32,12 @@ MAX_TOKENS = 1 << 24
 # the median) the cap brings down as far as 0.75 did (README "Needle in a haystack").
 PRESETS = {
     "4bit": dict(k_bits=5, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5,
-                 clip=True, align_scales=True),
+                 clip=True, align_scales=True, exact_prefill=16384),
     "3bit": dict(k_bits=3, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5,
                  key_scaling_cap=2.0,
-                 clip=True, align_scales=True),
+                 clip=True, align_scales=True, exact_prefill=16384),
     "2bit": dict(k_bits=2, v_bits=2, group_size=32, sink_tokens=4, window=128, center_keys=True, key_scaling=0.75,
-                 clip=True, center_values=True),
+                 clip=True, center_values=True, exact_prefill=16384),
 }
 
 
@@ -154,6 +154,22 @@ class OIQConfig:
             precision even when it packs them, and the statistics come from the
             first call: a prompt is attended exactly, and the first call decides
             the statistics (DESIGN.md section 11).
+        exact_prefill: keep up to this many prompt tokens in full precision
+            while the prompt is prefilled (calls of more than one token before the
+            first one-token call), and pack them, with statistics estimated on all
+            of them, when the first one-token call comes (the step that computes
+            the first generated token) or a call would take the cache past this
+            many tokens.  A prompt prefilled in chunks (mlx-lm's
+            ``prefill_step_size``, 2048) is then stored and read as a prompt
+            written in one call is: each chunk attends the earlier ones exactly,
+            and everything after the prompt reads what one call would have left
+            packed.  Without it (0), later chunks read earlier ones packed, which
+            loses needles a one-call prompt keeps (README "Needle in a
+            haystack").  The price is the full-precision keys and values of up
+            to this many tokens until the prompt is done, as mlx-lm's own cache
+            holds them (every preset keeps up to 16384).  No effect with
+            ``positional``, which stores the same however a prompt is split
+            (as ``key_scaling_cap`` has none without key scaling).
         layer_bits: per-layer bit allocation: ``((layer, k_bits, v_bits), ...)``
             (or the text ``"layer:k:v;layer:k:v"``); those layers store keys and
             values at these bits instead of ``k_bits``/``v_bits``.  ``layer`` is
@@ -178,6 +194,7 @@ class OIQConfig:
     key_scaling_cap: float = 0.0
     layer_bits: tuple = ()
     positional: bool = False
+    exact_prefill: int = 16384
 
     def __post_init__(self):
         check_bits(self.k_bits, "k_bits")
@@ -185,7 +202,7 @@ class OIQConfig:
         check_group_size(self.group_size)
         for name in ("seed", "quantize_after"):
             _check_int(name, getattr(self, name))
-        for name in ("sink_tokens", "window", "trim_reserve"):
+        for name in ("sink_tokens", "window", "trim_reserve", "exact_prefill"):
             _check_int(name, getattr(self, name), 0, MAX_TOKENS)
         if isinstance(self.key_scaling, bool) or not isinstance(self.key_scaling, (int, float)) or not 0 <= self.key_scaling <= 1:
             raise ValueError(f"key_scaling must be a number in [0, 1], got {self.key_scaling!r}")
@@ -283,6 +300,7 @@ class OIQConfig:
         fields.setdefault("positional", False)
         fields.setdefault("align_scales", False)  # likewise: scales as the codes' search chose them
         fields.setdefault("key_scaling_cap", 0.0)  # likewise: no cap
+        fields.setdefault("exact_prefill", 0)  # likewise: chunks read earlier chunks packed
         unknown, missing = sorted(set(fields) - known), sorted(known - set(fields))
         if unknown or missing:
             # a default filled in for a missing field could silently change how the cache stores

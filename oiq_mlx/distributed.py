@@ -38,7 +38,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .benchmark import run_model
 from .cache import OIQKVCache
 from .config import OIQConfig
-from .integration import _leaves, kv_memory, make_oiq_cache, oiq_layer_indices
+from .integration import _leaves, end_prefill, kv_memory, make_oiq_cache, oiq_layer_indices
 from .specs import CacheSpec
 
 SHARDINGS = ("tensor", "pipeline")
@@ -201,6 +201,7 @@ def probe_kv_bytes(model, group, tokens: int = 256) -> dict:
     for a server to report what each rank holds per sequence of that length."""
     cache = make_prompt_cache(model)
     logits = model(mx.zeros((1, tokens), dtype=mx.int32), cache=cache)
+    end_prefill(cache)  # exact_prefill: what a sequence holds once it generates
     mx.eval(logits, [c.state for c in cache])
     return kv_bytes(cache, group)
 

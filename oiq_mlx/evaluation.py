@@ -52,7 +52,7 @@ from .attention import oiq_attention
 from .cache import OIQKVCache, layer_seed
 from .config import OIQConfig, layer_bits_text
 from . import __version__, _platform, models
-from .integration import install, model_head_dim, oiq_layer_indices
+from .integration import end_prefill, install, model_head_dim, oiq_layer_indices
 from .rotation import random_signs, rotate
 from .specs import CacheSpec, cache_registry, parse_spec  # noqa: F401 (cache_registry: for the scripts)
 
@@ -214,11 +214,13 @@ def allocated_bytes_per_token(spec: CacheSpec, model, evaluated: list, calls, dt
     """
     fresh = spec.make_cache(model)
     layers = [(c, shape) for c, shape in zip(fresh, map(_kv_shape, evaluated)) if shape is not None]
-    for n in calls:
+    for i, n in enumerate(calls):
         for c, (b, h, dk, dv) in layers:
             c.update_and_fetch(mx.zeros((b, h, n, dk), dtype), mx.zeros((b, h, n, dv), dtype))
             if isinstance(c, OIQKVCache):
                 c.release_fresh()
+                if i == 0:
+                    c.end_prefill()  # as perplexity_eval ends it after the prompt
         mx.eval(_cache_arrays(fresh))
     return measured_bytes_per_token(fresh, sum(calls))
 
@@ -279,6 +281,9 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
         for s, c in zip(specs, caches):
             t = time.perf_counter()
             model(prompt, cache=c)  # the logits stay lazy, never computed: only the cache is evaluated
+            # the scored chunks come after the prompt, as generated tokens do: with chunks of
+            # more than one token, exact_prefill would otherwise keep attending them exactly
+            end_prefill(c)
             mx.eval(_cache_arrays(c))
             dt = time.perf_counter() - t
             acc[s.name]["seconds"] += dt
@@ -1171,8 +1176,10 @@ def _layer_attention(spec: CacheSpec, layer_cache, rec) -> tuple | None:
     if isinstance(layer_cache, OIQKVCache):
         layer_cache.update_and_fetch(k, v)
         # score what is stored, as later queries see it: a prompt's own queries
-        # would get its exact keys/values (OIQKVCache.attention_segments)
+        # would get its exact keys/values (OIQKVCache.attention_segments), and
+        # exact_prefill packs the prompt only when generation starts
         layer_cache.release_fresh()
+        layer_cache.end_prefill()
         out = oiq_attention(q, layer_cache, scale=scale, mask="causal", sinks=rec["sinks"])
         k_hat, v_hat = layer_cache.dequantized_kv()
         return out, k_hat, v_hat

@@ -285,6 +285,17 @@ def _leaves(caches):
             yield c
 
 
+def end_prefill(cache: list):
+    """End the prompt's prefill in every OIQ layer of ``cache``
+    (:meth:`OIQKVCache.end_prefill`, ``exact_prefill``): for callers that write
+    more than one token per call after a prompt (chunked scoring, speculative
+    decoding's verify calls), which would otherwise keep the rows in full
+    precision up to ``exact_prefill`` tokens, and before saving a prompt cache."""
+    for c in _leaves(cache):
+        if isinstance(c, OIQKVCache):
+            c.end_prefill()
+
+
 def oiq_layer_indices(model) -> list[int]:
     """Layer indices (as ``OIQKVCache.layer_idx`` and ``OIQConfig.layer_bits``
     count them) of the caches :func:`make_oiq_cache` turns into OIQ."""

@@ -286,11 +286,19 @@ def build_parser() -> argparse.ArgumentParser:
 def server_config(args) -> OIQConfig | None:
     """The OIQ configuration the server's options ask for (None: ``--no-oiq``).  As
     ``oiq-generate``'s, except that ``positional`` is on unless ``--no-positional``: the
-    prompt cache reuses prefixes, which give what a fresh cache gives only then."""
+    prompt cache reuses prefixes, which give what a fresh cache gives only then.
+    ``exact_prefill`` contradicts that (it makes what is stored depend on the chunks), so
+    it has no effect on positional caches, and asking for it without ``--no-positional`` is
+    an error."""
     if args.no_oiq:
         return None
     config = config_from_args(args)
-    return dataclasses.replace(config, positional=True) if args.positional is None else config
+    if args.positional is None:
+        if args.exact_prefill:
+            raise ValueError("--exact-prefill needs --no-positional: oiq-server's caches are positional, "
+                             "whose prefix reuse rests on the chunks changing nothing")
+        return dataclasses.replace(config, positional=True)
+    return config
 
 
 def main(argv=None) -> int:

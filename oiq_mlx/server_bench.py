@@ -28,6 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import models
+from .integration import end_prefill
 from .models import resolve_model
 from .specs import parse_spec
 
@@ -244,6 +245,8 @@ def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -
             kv = mx.random.normal((1, n_kv, min(1024, tokens - start), head_dim), key=sub).astype(dtype)
             c.update_and_fetch(kv, kv)
             mx.eval(c.state)
+    end_prefill(cache)  # exact_prefill: what the sequence holds once it generates
+    mx.eval([c.state for c in cache])
     fp16 = len(cache) * tokens * n_kv * head_dim * 2 * 2
     return {"tokens": tokens, "bytes": int(sum(c.nbytes for c in cache)), "fp16_bytes": fp16}
 

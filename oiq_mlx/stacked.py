@@ -115,6 +115,8 @@ class StackedDecode:
     @classmethod
     def stack(cls, caches) -> "StackedDecode":
         caches = list(caches)
+        for c in caches:
+            c.end_prefill()  # exact_prefill: a decode step reads the prompt packed
         first = caches[0]
         s = first.config.sink_tokens
         _, H = first.batch_heads

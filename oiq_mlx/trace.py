@@ -117,6 +117,11 @@ def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_
         if hasattr(cache, "release_fresh"):
             cache.release_fresh()  # what attention over the prompt would do after reading it
         mx.eval(_arrays_of(cache))
+    if hasattr(cache, "end_prefill"):
+        # exact_prefill packs the prompt in the first decode step, once: the steps counted
+        # here are the ones after it
+        cache.end_prefill()
+        mx.eval(_arrays_of(cache))
     per_step, breakdowns = [], []
     for _ in range(steps):
         k1, k2, key = mx.random.split(key, 3)

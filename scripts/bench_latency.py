@@ -36,7 +36,8 @@ def main(argv=None) -> int:
                         help="mlx-lm QuantizedKVCache bit widths, group 64 (default 4,8; empty string: none)")
     parser.add_argument("--group-size", type=int, default=None, help="OIQ group size, replacing the presets' (32)")
     parser.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per configuration (default 32; --quick 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before the timed ones (default 3)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before the timed ones (default 3; at least 1: the first step "
+                             "after a prefill counts as prefill, as mlx-lm counts the last prompt token's step)")
     parser.add_argument("--prefill-chunk", type=int, default=2048,
                         help="prefill step size in tokens, as mlx_lm.generate's prefill_step_size (default 2048)")
     parser.add_argument("--mode", choices=("both", "model", "attention"), default="both",

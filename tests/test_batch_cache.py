@@ -16,7 +16,7 @@ from oiq_mlx.batch_cache import BatchOIQKVCache
 
 # window 8 + 2 sinks: prompts of 5, 23 and 40 tokens put the packed-segment
 # boundary at different places in one batch (5 crosses it only while decoding)
-CFG = OIQConfig(window=8, sink_tokens=2, trim_reserve=4)
+CFG = OIQConfig(window=8, sink_tokens=2, trim_reserve=4, exact_prefill=0)
 PROMPT_LENGTHS = (5, 23, 40)
 H, D = 2, 64
 
@@ -56,15 +56,17 @@ def _oiq_layers(cache):
 
 @pytest.mark.filterwarnings("ignore:oiq_mlx")
 @pytest.mark.parametrize("make_model", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
-@pytest.mark.parametrize("positional", [False, True], ids=["", "positional"])
+@pytest.mark.parametrize("mode", ["", "positional", "exact_prefill"])
 @pytest.mark.parametrize("clip", [False, True], ids=["absmax", "clip"])
-def test_batch_generator_matches_sequences_alone(make_model, positional, clip):
+def test_batch_generator_matches_sequences_alone(make_model, mode, clip):
     """Right-padded prompts of different lengths prefilled as one batch, then decoded stacked:
     each sequence gets the tokens and stores the rows it would alone (positional: its padded
-    queries come after its real ones, and the 5-token one estimates its statistics stacked)."""
+    queries come after its real ones, and the 5-token one estimates its statistics stacked;
+    exact_prefill: the prompts wait in full precision until the stacked decode packs them)."""
     model = make_model()
     prompts = _prompts()
-    cfg = OIQConfig(**{**vars(CFG), "positional": positional, "clip": clip, "align_scales": clip})
+    cfg = OIQConfig(**{**vars(CFG), "positional": mode == "positional", "clip": clip, "align_scales": clip,
+                       "exact_prefill": 64 if mode == "exact_prefill" else 0})
     tokens, caches = _batched(model, prompts, 16, cfg)
     for prompt, got, cache in zip(prompts, tokens, caches):
         want, alone = _alone(model, prompt, 16, cfg)

@@ -16,7 +16,7 @@ from oiq_mlx.attention import oiq_attention
 from oiq_mlx.cache import OIQKVCache
 from oiq_mlx.codec import bytes_per_token, quantize
 from oiq_mlx.config import OIQConfig
-from oiq_mlx.integration import make_oiq_cache
+from oiq_mlx.integration import end_prefill, make_oiq_cache
 
 
 def _feed(cache, chunks, B, n_kv, d, n_q, seed=0, dv=None):
@@ -30,6 +30,8 @@ def _feed(cache, chunks, B, n_kv, d, n_q, seed=0, dv=None):
         v = mx.random.normal((B, n_kv, L, dv), key=k2)
         q = mx.random.normal((B, n_q, L, d), key=k3)
         ks.append(k), vs.append(v)
+        if L == 1 or cache.offset + L > cache.config.exact_prefill:
+            cache.end_prefill()  # as the call itself does first (exact_prefill)
         cache.w0 = max(cache.q_end, cache.config.sink_tokens)  # the window's start as the call finds it
         cache.update_and_fetch(k, v)
         out = oiq_attention(q, cache, d**-0.5, "causal" if L > 1 else None)
@@ -76,7 +78,7 @@ def test_attention_over_stored_kv(cfg, shape):
 
 def test_full_precision_segments_are_exact():
     """Sinks and the recent window hold keys/values without loss."""
-    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=8)
+    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=8, exact_prefill=0)  # packed as written
     cache = OIQKVCache(cfg)
     for q, k, v, out in _feed(cache, [20, 1, 1], 1, 2, 4, 64):
         kd, vd = cache.dequantized_kv()
@@ -90,8 +92,9 @@ def test_current_call_is_attended_in_full_precision():
     """A prompt longer than the window is quantized on write, but its own
     queries attend to its exact keys/values (prefill equals fp attention);
     the next call sees the stored, quantized version, and the full-precision
-    copy is released once attention has read it."""
-    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=8)
+    copy is released once attention has read it (without exact_prefill, which keeps a
+    prompt in full precision until generation starts: tests/test_exact_prefill.py)."""
+    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=8, exact_prefill=0)
     B, n_kv, n_q, d, L = 1, 2, 4, 64, 100
     k1, k2, k3, k4 = mx.random.split(mx.random.key(3), 4)
     k = mx.random.normal((B, n_kv, L, d), key=k1)
@@ -142,6 +145,7 @@ def test_key_scaling_helps_outlier_channels():
     for power in (0.0, 0.5):
         c = OIQKVCache(OIQConfig(k_bits=3, key_scaling=power, sink_tokens=0, window=0))
         c.update_and_fetch(k, k)
+        c.end_prefill()
         kd = c.dequantized_kv()[0]
         q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(5))
         errs[power] = float(mx.mean(mx.square((q * (kd - k)).sum(-1))))
@@ -160,6 +164,7 @@ def test_key_scaling_cap_brings_loud_channels_within_the_cap():
     for cap in (0.0, 2.0):
         c = OIQKVCache(OIQConfig(k_bits=8, v_bits=8, key_scaling=0.5, key_scaling_cap=cap, sink_tokens=0, window=0))
         c.update_and_fetch(k, k)
+        c.end_prefill()
         lams[cap] = np.array(c.k.lam)[0, 0, 0]
         outs[cap] = oiq_attention(q, c, scale=0.125)
     rms = np.sqrt(np.mean(np.square(np.array(k - mx.mean(k, axis=2, keepdims=True)))[0, 0], axis=0))
@@ -188,6 +193,7 @@ def test_centering_helps_offset_keys():
     for center in (False, True):
         c = OIQKVCache(OIQConfig(center_keys=center, key_scaling=0.0, sink_tokens=0, window=0))
         c.update_and_fetch(k, k)
+        c.end_prefill()
         errs[center] = float(mx.mean(mx.square(c.dequantized_kv()[0] - k)))
     assert errs[True] < 0.1 * errs[False]
 
@@ -195,8 +201,9 @@ def test_centering_helps_offset_keys():
 def test_a_call_attends_to_the_window_it_found_exactly():
     """A call of several tokens that moves the window on (a prefill chunk, a speculative draft)
     packs rows its queries would have seen exactly one call earlier: they still get them exact,
-    and the next call gets them packed."""
-    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=16)
+    and the next call gets them packed (without exact_prefill, under which a chunk finds
+    the whole prompt in full precision)."""
+    cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=16, exact_prefill=0)
     d, L = 64, 16
     k1, k2, k3 = mx.random.split(mx.random.key(5), 3)
     k = mx.random.normal((1, 2, 60, d), key=k1)
@@ -229,6 +236,7 @@ def test_decode_and_prefill_paths_agree(preset, monkeypatch):
     k = mx.random.normal((1, 2, 200, 64))
     cache.update_and_fetch(k, k + 0.5)
     cache.release_fresh()
+    cache.end_prefill()
     assert cache.k.codes is not None
     for L in (1, 4, 8):
         q = mx.random.normal((1, 6, L, 64))
@@ -241,7 +249,8 @@ def test_decode_and_prefill_paths_agree(preset, monkeypatch):
 
 def test_nbytes_matches_allocation_and_compression():
     cfg = OIQConfig(
-        k_bits=4, v_bits=4, group_size=32, sink_tokens=0, window=0, trim_reserve=0, center_keys=False, key_scaling=0.0
+        k_bits=4, v_bits=4, group_size=32, sink_tokens=0, window=0, trim_reserve=0, center_keys=False, key_scaling=0.0,
+        exact_prefill=0,
     )
     cache = OIQKVCache(cfg)
     fp = KVCache()
@@ -268,6 +277,7 @@ def test_nbytes_matches_allocation_and_compression():
         k = mx.random.normal((B, H, 2048, d)).astype(mx.float16)
         default.update_and_fetch(k, k)
         default.release_fresh()
+    default.end_prefill()  # the prompt's 16384 tokens waited in full precision for generation
     assert (16384 * B * H * 2 * d * 2) / default.nbytes >= 3.4
 
 
@@ -285,6 +295,7 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
         k = mx.random.normal((1, 2, prompt, 64)).astype(mx.float16)
         cache.update_and_fetch(k, k)
         cache.release_fresh()
+        cache.end_prefill()  # generation starts (exact_prefill): the calls below come after the prompt
         worst = 0
         for _ in range(3 * OIQKVCache.step // 4 // chunk + 2):
             cache.update_and_fetch(k[:, :, :chunk], k[:, :, :chunk])
@@ -384,11 +395,13 @@ def test_per_layer_bits():
     cache = make_oiq_cache(model, cfg)
     assert [(c.k.bits, c.v.bits) for c in cache] == [(2, 2), (8, 6)]
     _logits(model, list(range(40)), cache)
+    end_prefill(cache)
     k = mx.random.normal((1, 2, 40, 64), key=mx.random.key(0))
     errs = []
     for c in cache:
         c2 = OIQKVCache(cfg, layer_idx=c.layer_idx)
         c2.update_and_fetch(k, k)
+        c2.end_prefill()
         errs.append(float(mx.mean(mx.square(c2.dequantized_kv()[0] - k))))
         assert (c.k.codes.shape[-1], c.v.codes.shape[-1]) == (64 * c.k.bits // 32, 64 * c.v.bits // 32)
     assert errs[1] < errs[0] / 100
@@ -427,6 +440,7 @@ def test_trim_then_continue_equals_never_generated(cfg):
     b = make_oiq_cache(model, cfg)
     _logits(model, prompt, a)
     _logits(model, prompt, b)
+    end_prefill(b)  # as a's first one-token step ends it
     for t in (7, 8, 9, 10, 11):  # speculative tokens, later rejected
         _logits(model, [t], a)
     assert all(c.trim(5) == 5 for c in a)
@@ -542,6 +556,7 @@ def test_seed_and_rotation_options():
     }.items():
         c = OIQKVCache(cfg, layer_idx=3)
         c.update_and_fetch(k, k)
+        c.end_prefill()
         caches[name] = c
     assert not mx.array_equal(caches["seed0"].k.signs, caches["seed1"].k.signs)
     assert not mx.array_equal(caches["seed0"].k.codes, caches["seed1"].k.codes)
@@ -553,6 +568,7 @@ def test_seed_and_rotation_options():
     # the signs depend on the layer too, and every layer's keys and values differ
     other = OIQKVCache(OIQConfig(seed=0, **base), layer_idx=4)
     other.update_and_fetch(k, k)
+    other.end_prefill()
     assert not mx.array_equal(other.k.signs, caches["seed0"].k.signs)
     assert not mx.array_equal(caches["seed0"].k.signs, caches["seed0"].v.signs)
 
@@ -592,6 +608,7 @@ def test_bytes_per_token_is_what_the_packed_rows_hold(k_bits, v_bits, group_size
     cache = OIQKVCache(cfg)
     x = mx.random.normal((1, 2, 100, head_dim))
     cache.update_and_fetch(x, x)
+    cache.end_prefill()
     packed = sum(side.rows.nbytes for side in (cache.k, cache.v))
     assert packed == cfg.bytes_per_token(head_dim) * 2 * cache.k.rows.shape[2]
     if (k_bits, v_bits, group_size, head_dim) == (2, 2, 64, 64):
@@ -611,6 +628,7 @@ def test_aligned_scales_keep_every_packed_vector_along_itself(preset):
                                key_scaling=0.0, align_scales=align)
         cache = OIQKVCache(cfg)
         cache.update_and_fetch(k, k)
+        cache.end_prefill()
         kd, vd = cache.dequantized_kv()
         ratio[align] = [mx.sum(x * k, -1) / mx.sum(k * k, -1) for x in (kd, vd)]
     assert all(float(mx.abs(r - 1).max()) < 2.0**-9 for r in ratio[True])

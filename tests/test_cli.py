@@ -125,6 +125,7 @@ def test_memory_line_counts_fp16_by_tokens_held():
 
 def test_memory_line_says_smaller_for_a_compressed_cache():
     cache = _filled(OIQKVCache(OIQConfig(k_bits=2, v_bits=2, window=0, sink_tokens=0)), 2048)
+    cache.end_prefill()  # generation has started: the prompt is packed
     held, fp16 = cache.nbytes, 2048 * 2 * 128 * 2
     assert held < fp16
     line = memory_line([cache], "OIQ")
@@ -203,3 +204,5 @@ def test_cache_label_names_bits_layers_and_positional():
     assert cache_label([OIQKVCache(OIQConfig.preset("3bit"))]) == "OIQ K3V3 g32"
     assert cache_label([OIQKVCache(OIQConfig(positional=True, layer_bits="1:8:8"))]) == \
         "OIQ K5V3 g32, layers 1:K8V8, positional"
+    assert cache_label([OIQKVCache(OIQConfig(exact_prefill=0))]) == "OIQ K5V3 g32, exact prefill off"
+    assert cache_label([OIQKVCache(OIQConfig(exact_prefill=4096))]) == "OIQ K5V3 g32, exact prefill 4096"

@@ -247,10 +247,12 @@ def test_cache_packs_through_the_fused_kernel(kernels_on):
     fused, reference = OIQKVCache(cfg), OIQKVCache(cfg)
     kernels_on.clear()
     fused.update_and_fetch(x, x + 1)
+    fused.end_prefill()  # exact_prefill: the prompt is packed when generation starts
     assert len(kernels_on) == 1
     with pytest.MonkeyPatch.context() as m:
         m.setattr(dispatch, "kernels_enabled", lambda: False)
         reference.update_and_fetch(x, x + 1)
+        reference.end_prefill()
     for a, b in ((fused.k, reference.k), (fused.v, reference.v)):
         _assert_bit_exact(a.codes[:, :, : fused.q_end - 4], b.codes[:, :, : fused.q_end - 4], "codes")
         _assert_bit_exact(a.scales[:, :, : fused.q_end - 4], b.scales[:, :, : fused.q_end - 4], "scales")
@@ -332,12 +334,14 @@ def test_dequantize_nan_scale(metal_emulator):
 # ---------------------------------------------------------------- decode attention
 
 def _filled_cache(cfg, *, B=1, n_kv=2, d=128, T=200, L=1, dtype=mx.float16, seed=0):
-    """A cache after a prompt of T - L tokens and one step of L tokens."""
+    """A cache after a prompt of T - L tokens and one step of L tokens (generation
+    started: with exact_prefill the prompt is packed before the step)."""
     cache = OIQKVCache(cfg)
     k = _heavy_tailed((B, n_kv, T, d), dtype, seed=seed)
     v = mx.random.normal((B, n_kv, T, d), key=mx.random.key(seed + 1)).astype(dtype)
     if T > L:
         cache.update_and_fetch(k[:, :, : T - L], v[:, :, : T - L])
+        cache.end_prefill()
     cache.update_and_fetch(k[:, :, T - L:], v[:, :, T - L:])
     return cache
 

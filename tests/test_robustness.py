@@ -71,7 +71,9 @@ def test_non_finite_input_stays_in_its_token_and_head(preset, position):
     bit-identical to the clean cache, every other token of that head finite (and
     bit-identical unless the token was in the chunk the statistics come from, which
     then leave it out), and trimming the token restores finite attention."""
-    cfg = OIQConfig.preset(preset, window=64)  # POSITIONS are laid out for a 64-token window
+    # POSITIONS are laid out for a 64-token window and statistics from the first chunk alone (with
+    # exact_prefill they would come from both chunks: test_statistics_ignore_bad_rows covers that)
+    cfg = OIQConfig.preset(preset, window=64, exact_prefill=0)
     p = POSITIONS[position]
     clean = _fill(cfg, *_inputs())
     ck, cv = clean.dequantized_kv()
@@ -123,17 +125,20 @@ def test_statistics_ignore_bad_rows_and_cannot_overflow():
     for rows in (x, bad):
         c = OIQKVCache(OIQConfig(sink_tokens=0, window=0))
         c.update_and_fetch(rows, rows)
+        c.end_prefill()  # exact_prefill: estimated here, on the rows the prompt left waiting
         if rows is x:
             mean, lam = c.k.mean, c.k.lam
         else:
             c2 = OIQKVCache(OIQConfig(sink_tokens=0, window=0))
             kept = mx.concatenate([x[:, :, :5], x[:, :, 6:]], axis=2)
             c2.update_and_fetch(kept, kept)
+            c2.end_prefill()
             assert mx.allclose(c.k.mean, c2.k.mean, atol=1e-5) and mx.allclose(c.k.lam, c2.k.lam, atol=1e-5)
             assert not mx.allclose(c.k.mean, mean, atol=1e-3)
     hopeless = mx.full((1, 1, 8, 64), mx.nan)
     c = OIQKVCache(OIQConfig(sink_tokens=0, window=0))
     c.update_and_fetch(hopeless, hopeless)
+    c.end_prefill()
     assert mx.array_equal(c.k.mean, mx.zeros_like(c.k.mean)) and mx.array_equal(c.k.lam, mx.ones_like(c.k.lam))
 
 

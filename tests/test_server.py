@@ -150,6 +150,10 @@ def test_server_caches_are_positional_unless_asked_not_to_be():
     assert config("--preset", "3bit") == OIQConfig.preset("3bit", positional=True)
     assert config("--preset", "3bit", "--no-positional") == OIQConfig.preset("3bit")
     assert config("--no-oiq") is None
+    # exact_prefill makes what is stored depend on the chunks: only without positional
+    assert config("--no-positional", "--exact-prefill", "4096") == OIQConfig(exact_prefill=4096)
+    with pytest.raises(ValueError, match="--exact-prefill needs --no-positional"):
+        config("--exact-prefill", "4096")
 
 
 def test_bad_server_options_fail_before_serving(capsys):

@@ -37,7 +37,8 @@ def test_bad_names_say_what_is_wrong(text, message):
 
 @pytest.mark.parametrize("name", ["oiq-4", "oiq-2", "preset:3bit[window=32,sink_tokens=0]",
                                   "oiq[k_bits=5,v_bits=3,center_values=true,layer_bits=1:8:8]",
-                                  "preset:3bit[align_scales=true]", "oiq[align_scales=false]"])
+                                  "preset:3bit[align_scales=true]", "oiq[align_scales=false]",
+                                  "preset:4bit[exact_prefill=16384]"])
 def test_server_flags_reproduce_the_config(name):
     spec = parse_spec(name)
     parser = argparse.ArgumentParser()
