@@ -944,13 +944,23 @@ def needle_stats(model, tokenizer, specs, *, haystacks, lengths, depths, trials:
     def todo(t) -> list:
         return [s for s in specs if s.name not in reusable(done[t.index])] if t.index in done else list(specs)
 
+    def carried(old_rec) -> dict:
+        # a stored trial this run does not reach keeps its answers, except those of a cache
+        # named now whose configuration changed: the file records one configuration per
+        # name, so they would be read as the new one's (a later --resume runs them again)
+        stale = {n for n in names if n in old_rec["results"] and done_specs is not None
+                 and not _same_config(done_specs.get(n), spec_dicts[n])}
+        if not stale:
+            return old_rec
+        return {**old_rec, "results": {n: r for n, r in old_rec["results"].items() if n not in stale}}
+
     records = []
 
     def result() -> dict:
         # the earlier run's trials not reached yet (or not chosen by ``only``) stay in the
         # file: stopping again, or rerunning a few trials, loses nothing
         visited = {r["index"] for r in records}
-        kept = sorted(records + [done[i] for i in done if i not in visited], key=lambda r: r["index"])
+        kept = sorted(records + [carried(done[i]) for i in done if i not in visited], key=lambda r: r["index"])
         return _needle_stats_result(kept, names, recorded_specs, planned, only, lengths, depths, trials, seed,
                                     chat, prefill_step_size, share_prefill, haystacks)
 

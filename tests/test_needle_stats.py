@@ -282,6 +282,16 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     changed = dict(res3["specs"], fp=dict(res3["specs"]["fp"], bits=8))
     ev.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, **kw)
     assert ran == [["fp"]] * 24
+    # changed under its name with only some trials rerun: the others lose that cache's stale
+    # answers (the file holds one configuration per name), and the next resume runs them
+    ran.clear()
+    part4 = ev.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, only=[0, 1], **kw)
+    assert ran == [["fp"]] * 2
+    assert [sorted(r["results"]) for r in part4["records"][1:3]] == [["fp", "oiq-3", "oiq-4"], ["oiq-3", "oiq-4"]]
+    assert part4["completed"] == 2 and part4["summary"]["fp"]["all"]["n"] == 2
+    ran.clear()
+    ev.needle_stats(None, tok, added, done=part4["records"], done_specs=part4["specs"], **kw)
+    assert ran == [["fp"]] * 22
     ran.clear()  # a reworded description is not another configuration
     reworded = dict(res3["specs"], fp=dict(res3["specs"]["fp"], description="another fp"))
     ev.needle_stats(None, tok, added, done=res3["records"], done_specs=reworded, **kw)
