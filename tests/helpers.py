@@ -47,6 +47,36 @@ def tiny_gemma3(layers=3, sliding_window=16, seed=0):
     return model
 
 
+def chunk_data(seed=0, heads=2, n=90, d=64):
+    """Keys (offset: a mean worth removing), values and queries (twice the heads) of ``n``
+    tokens, for feeding a cache in chunks."""
+    k = mx.random.normal((1, heads, n, d), key=mx.random.key(seed)) * 2 + 1
+    v = mx.random.normal((1, heads, n, d), key=mx.random.key(seed + 1))
+    q = mx.random.normal((1, 2 * heads, n, d), key=mx.random.key(seed + 2))
+    return k, v, q
+
+
+def run_chunks(cache, chunks, data, start=0):
+    """Write ``data`` (:func:`chunk_data`) from token ``start`` into ``cache`` in calls of
+    ``chunks`` tokens, each call's queries attending through ``oiq_attention``; returns
+    the cache and the outputs of every call, concatenated."""
+    from oiq_mlx.attention import oiq_attention
+
+    k, v, q = data
+    outs, o = [], start
+    for L in chunks:
+        cache.update_and_fetch(k[:, :, o : o + L], v[:, :, o : o + L])
+        outs.append(oiq_attention(q[:, :, o : o + L], cache, scale=k.shape[-1] ** -0.5,
+                                  mask="causal" if L > 1 else None))
+        o += L
+    return cache, mx.concatenate(outs, axis=2)
+
+
+def stored_arrays(cache):
+    """The arrays of an OIQ cache's state (what it stores), without the metadata."""
+    return [a for a in cache.state[:-1] if a is not None]
+
+
 def reference_attention(q, k, v, scale, causal=True):
     """fp32 softmax attention with GQA, the mask aligned to the last key."""
     rep = q.shape[1] // k.shape[1]

@@ -6,11 +6,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import tiny_llama
+from helpers import chunk_data, run_chunks, stored_arrays, tiny_llama
 from mlx_lm.generate import generate_step
 
 from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
-from oiq_mlx.attention import oiq_attention
 from oiq_mlx.cache import _digest
 
 H, D, N = 2, 64, 90
@@ -19,28 +18,15 @@ PLAIN = dict(BASE, exact_prefill=0)  # chunks read earlier chunks packed
 
 
 def _data(seed=0):
-    k = mx.random.normal((1, H, N, D), key=mx.random.key(seed)) * 2 + 1  # offset keys: the mean matters
-    v = mx.random.normal((1, H, N, D), key=mx.random.key(seed + 1))
-    q = mx.random.normal((1, 2 * H, N, D), key=mx.random.key(seed + 2))
-    return k, v, q
+    return chunk_data(seed, H, N, D)
 
 
 def _run(cfg, chunks, data, cache=None, start=0):
-    k, v, q = data
-    cache, outs, o = cache or OIQKVCache(cfg), [], start
-    for L in chunks:
-        cache.update_and_fetch(k[:, :, o : o + L], v[:, :, o : o + L])
-        outs.append(oiq_attention(q[:, :, o : o + L], cache, scale=D**-0.5, mask="causal" if L > 1 else None))
-        o += L
-    return cache, mx.concatenate(outs, axis=2)
-
-
-def _stored(cache):
-    return [a for a in cache.state[:-1] if a is not None]
+    return run_chunks(cache or OIQKVCache(cfg), chunks, data, start)
 
 
 def _assert_same_storage(a, b):
-    x, y = _stored(a), _stored(b)
+    x, y = stored_arrays(a), stored_arrays(b)
     assert len(x) == len(y)
     for u, w in zip(x, y):
         assert u.shape == w.shape and mx.array_equal(u, w).item()

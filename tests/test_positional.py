@@ -4,7 +4,7 @@ alone, not on how they were split into calls (DESIGN.md section 11)."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import tiny_llama
+from helpers import chunk_data, run_chunks, stored_arrays, tiny_llama
 from mlx_lm.generate import generate_step
 
 from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
@@ -21,32 +21,18 @@ CHUNKINGS = [[N], [30, 60], [5, 3, 50, 32], [2] * 45, [13, 1, 1, 75], [1] * N]
 
 
 def _data(seed=0):
-    k = mx.random.normal((1, H, N, D), key=mx.random.key(seed)) * 2 + 1  # offset keys: the mean matters
-    v = mx.random.normal((1, H, N, D), key=mx.random.key(seed + 1))
-    q = mx.random.normal((1, 2 * H, N, D), key=mx.random.key(seed + 2))
-    return k, v, q
+    return chunk_data(seed, H, N, D)
 
 
 def _run(cfg, chunks, data):
-    k, v, q = data
-    cache, outs, o = OIQKVCache(cfg), [], 0
-    for L in chunks:
-        cache.update_and_fetch(k[:, :, o : o + L], v[:, :, o : o + L])
-        outs.append(oiq_attention(q[:, :, o : o + L], cache, scale=D**-0.5, mask="causal" if L > 1 else None))
-        o += L
-    return cache, mx.concatenate(outs, axis=2)
-
-
-def _held(cache):
-    """The arrays of the cache's state (what it stores), without the metadata."""
-    return [a for a in cache.state[:-1] if a is not None]
+    return run_chunks(OIQKVCache(cfg), chunks, data)
 
 
 def _same_storage(a, b) -> bool:
     """Equal stored arrays, bit for bit.  The full-precision buffers are compared on the rows
     both hold: how many already packed rows a cache still holds for ``trim`` (at most the
     trim reserve) depends on its calls, as without ``positional``."""
-    x, y = _held(a), _held(b)
+    x, y = stored_arrays(a), stored_arrays(b)
     if len(x) != len(y):
         return False
     for i, (u, w) in enumerate(zip(x, y)):
