@@ -263,8 +263,9 @@ def run_model(
     the last prompt token's step as prompt time; with ``exact_prefill`` that step
     packs the prompt); ``prefill_peak_bytes`` the largest peak of those so far.
     ``kv_bytes_after_prefill`` is taken before that step (an ``exact_prefill``
-    cache still holds the prompt in full precision there).  The last context is shortened when decoding
-    would pass the model's maximum (``prompt_tokens`` says by how much).
+    cache still holds the prompt in full precision there).  The last context is
+    shortened when decoding would pass the model's maximum (``prompt_tokens`` says
+    by how much).
 
     Every byte figure is over the memory active before the measured work:
     the cache's own ``nbytes`` plus what the step allocated on top.
