@@ -601,14 +601,14 @@ def answer_trace(model, tokenizer, ids, cache, *, max_tokens: int = 8, prefill_s
 # cache kinds whose first prefill chunk attends to exactly the keys and values
 # it writes (fp, and OIQ: DESIGN), so that chunk's per-layer writes are the same
 # for every such cache and can be computed once per prompt
-EXACT_PREFILL_KINDS = ("fp", "oiq")
+EXACT_FIRST_CHUNK_KINDS = ("fp", "oiq")
 
 
-def exact_prefill(spec) -> bool:
-    """True when ``spec``'s cache attends a prefill chunk exactly: an exact-prefill kind, and
+def exact_first_chunk(spec) -> bool:
+    """True when ``spec``'s cache attends its first prefill chunk exactly: such a kind, and
     for OIQ not ``positional`` (whose chunk queries read the packed copies of the rows that
     left the window, so its later layers get other keys and values than fp's)."""
-    return spec.kind in EXACT_PREFILL_KINDS and not (spec.kind == "oiq" and spec.oiq.positional)
+    return spec.kind in EXACT_FIRST_CHUNK_KINDS and not (spec.kind == "oiq" and spec.oiq.positional)
 
 
 class _CallLog:
@@ -680,7 +680,7 @@ def _write_calls(cache, calls) -> list:
 
 def replay_first_chunk(cache, log) -> list:
     """Write the recorded first chunk into ``cache`` (what the model would write
-    into a cache of an exact-prefill kind) and evaluate it as ``generate_step`` does."""
+    into a cache that attends its first chunk exactly) and evaluate it as ``generate_step`` does."""
     return _write_calls(cache, [[kv] for kv in log])
 
 
@@ -713,7 +713,7 @@ def trial_answers(model, tokenizer, ids, specs, *, max_tokens: int = 8, prefill_
     out = {}
     n = len(ids) - 1
     n1 = min(prefill_step_size, n)
-    shared = [s for s in specs if exact_prefill(s)] if share_prefill and n1 > 0 else []
+    shared = [s for s in specs if exact_first_chunk(s)] if share_prefill and n1 > 0 else []
     log = fp_cache = fp_calls = None
     t0 = time.perf_counter()
     if shared:

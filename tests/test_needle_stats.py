@@ -373,7 +373,7 @@ def test_shared_first_chunk_gives_generate_steps_answers(length, step):
     ids = tok.encode((TEXT_A * 3)[:length])
     specs = [parse_spec("fp"), parse_spec("oiq-4"), parse_spec("oiq-2"), parse_spec("mlx-q4-g32"),
              parse_spec("preset:4bit[window=16,positional=true]")]
-    assert not ev.exact_prefill(specs[-1])  # its prompt runs through generate_step, not the replay
+    assert not ev.exact_first_chunk(specs[-1])  # its prompt runs through generate_step, not the replay
     shared = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step)
     alone = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=False)
     for n in shared:
