@@ -826,6 +826,62 @@ def first_margin_change(ref: list, other: list) -> dict | None:
     return {"n": int(diff.size), "mean": float(diff.mean()), "sd": sd}
 
 
+def _normal_cdf(x: float) -> float:
+    return 0.5 * (1.0 + math.erf(x / math.sqrt(2.0)))
+
+
+def margin_noise(records: list, ref: str, name: str, p_target: float = 0.9) -> dict | None:
+    """How many of ``ref``'s hits cache ``name``'s noise is expected to lose, from the
+    margins alone.
+
+    The noise: ``name``'s margin minus ``ref``'s, token by token, over the trials where
+    both give the same answer (the same tokens, so the margins pair up): ``rms`` its root
+    mean square over ``tokens`` tokens (its mean, ``mean``, reported and included).  A
+    trial ``ref`` retrieves is lost when any answer token's margin ``m`` falls below zero;
+    taking each token's change as an independent zero-mean normal of deviation ``rms``,
+    it is lost with probability ``1 - prod(1 - Phi(-m / rms))``.  ``expected_misses``
+    sums that over ``ref``'s hits, ``p_no_miss`` is the chance that none is lost, and
+    ``rms_for_target`` the deviation at which that chance would reach ``p_target`` (the
+    measured one when it already does); ``narrowest_ref_hits``: ``[index, smallest
+    margin]`` of ``ref``'s three closest hits, which decide that deviation.  A
+    statistical lens, not a count: near-ties in ``ref``'s own answers (margins of a few
+    hundredths) are lost by almost any noise.  None without two paired tokens or
+    without ``ref`` hits."""
+    diffs, hit_margins, narrow = [], [], []
+    for r in records:
+        res = r["results"]
+        if ref not in res or name not in res:
+            continue
+        a, b = res[ref], res[name]
+        if a["answer"] == b["answer"] and len(a["margins"]) == len(b["margins"]):
+            diffs += [y - x for x, y in zip(a["margins"], b["margins"])]
+        if a["hit"]:
+            hit_margins.append(a["margins"])
+            narrow.append([r["index"], min(a["margins"])])
+    if len(diffs) < 2 or not hit_margins:
+        return None
+    d = np.asarray(diffs, dtype=np.float64)
+    mean, rms = float(d.mean()), float(np.sqrt(np.mean(d * d)))
+
+    def lost(s: float) -> list:
+        if s <= 0:
+            return [float(any(m < 0 for m in ms)) for ms in hit_margins]
+        return [1.0 - math.prod(1.0 - _normal_cdf(-m / s) for m in ms) for ms in hit_margins]
+
+    p_lost = lost(rms)
+    p_none = lambda s: math.prod(1.0 - p for p in lost(s))  # noqa: E731
+    target = rms
+    if p_none(rms) < p_target:
+        lo, hi = 0.0, rms  # p_none falls as the deviation grows
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if p_none(mid) >= p_target else (lo, mid)
+        target = lo
+    return {"tokens": int(d.size), "mean": mean, "rms": rms, "ref_hits": len(hit_margins),
+            "expected_misses": float(sum(p_lost)), "p_no_miss": p_none(rms), "p_target": p_target,
+            "rms_for_target": target, "narrowest_ref_hits": sorted(narrow, key=lambda x: x[1])[:3]}
+
+
 def _signed_first_margin(trace: dict, ref_trace: dict) -> float:
     """The first answer token's margin, negative when that token is not ``ref``'s."""
     m = trace["margins"][0]
@@ -879,6 +935,7 @@ def summarize_needle_trials(records: list, names, ref: str = "fp") -> dict:
                                                [min(r["results"][n]["margins"]) for r in hits])
             entry["first_margin_change"] = first_margin_change([r["results"][ref]["margins"][0] for r in hits],
                                                                [r["results"][n]["margins"][0] for r in hits])
+            entry["margin_noise"] = margin_noise(both, ref, n)
             attribution = margin_attribution(both, ref, n)
             if attribution is not None:
                 attribution["by_depth"] = {str(d): a for d in sorted({r["depth"] for r in both})
@@ -1085,7 +1142,8 @@ def needle_stats_markdown(result: dict) -> str:
         lines.append(f"| {n} | " + " | ".join(cells) + f" | {_fmt_rate(s['all'])} | " + " | ".join(extra) + " |")
     lines += ["", "margin: the smallest log-probability gap between the chosen answer token and the runner-up over "
               f"a trial's answer; margin drop: its mean decrease against {ref} (± standard error) on trials both "
-              "retrieve.", *_first_margin_lines(names, summary, ref), *_attribution_lines(names, summary, ref),
+              "retrieve.", *_first_margin_lines(names, summary, ref), *_noise_lines(names, summary, ref),
+              *_attribution_lines(names, summary, ref),
               "", "by depth (all lengths): " + "; ".join(
         f"{n}: " + ", ".join(f"{float(d):.2f} {r['hits']}/{r['n']}" for d, r in summary[n]["by_depth"].items())
         for n in names)]
@@ -1108,6 +1166,24 @@ def _first_margin_lines(names, summary, ref) -> list:
     return ["", f"first answer token's margin, change against {ref} on trials both retrieve (mean ± standard "
             "deviation): " + "; ".join(parts) + f". A miss of a trial {ref} retrieves with a first-token margin "
             "within one such deviation is marked a coin flip: the cache's usual noise decides it."]
+
+
+def _noise_lines(names, summary, ref) -> list:
+    parts = []
+    for n in names:
+        c = summary[n].get("margin_noise")
+        if not c:
+            continue
+        narrow = ", ".join(f"#{i} {m:.2f}" for i, m in c["narrowest_ref_hits"])
+        parts.append(f"{n}: rms {c['rms']:.3f} (mean {c['mean']:+.3f}) over {c['tokens']} tokens, "
+                     f"{c['expected_misses']:.2f} expected misses of {c['ref_hits']}, no miss with probability "
+                     f"{c['p_no_miss']:.0%} ({c['p_target']:.0%} needs rms <= {c['rms_for_target']:.3f}; "
+                     f"{ref}'s narrowest hits: {narrow})")
+    if not parts:
+        return []
+    return ["", f"margin noise (each answer token's margin minus {ref}'s, on trials with the same answer; a "
+            f"{ref} hit is lost when a token's margin crosses zero, each change taken as an independent normal "
+            "of mean zero and that root mean square): " + "; ".join(parts) + "."]
 
 
 def _attribution_lines(names, summary, ref) -> list:

@@ -513,3 +513,46 @@ def test_script_end_to_end_on_smollm2(tmp_path):
     again = subprocess.run(cmd + ["--resume"], capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "trial #" not in again.stderr
     assert json.loads(out_json.read_text())["records"] == res["records"]
+
+
+def test_margin_noise_constructed():
+    from math import erf, sqrt
+
+    def rec(i, fp, oiq):  # (hit, answer, margins) for each cache
+        return {"index": i, "length": 512, "depth": 0.5, "actual_depth": 0.5, "text": "a", "offset": 0,
+                "passkey": str(10000 + i),
+                "results": {n: {"hit": h, "answer": a, "margins": m} for n, (h, a, m) in
+                            (("fp", fp), ("oiq-4", oiq))}}
+
+    recs = [rec(0, (True, " 1.", [2.0, 1.0]), (True, " 1.", [2.3, 0.9])),   # changes +0.3, -0.1
+            rec(1, (False, " x", [0.5, 1.5]), (False, " x", [0.4, 1.8])),   # fp misses: paired, -0.1 +0.3
+            rec(2, (True, " 2.", [0.2, 3.0]), (False, " 3.", [0.1, 3.0]))]  # other answers: not paired
+    c = ev.margin_noise(recs, "fp", "oiq-4")
+    d = np.array([0.3, -0.1, -0.1, 0.3])
+    rms = float(np.sqrt(np.mean(d * d)))
+    assert c["tokens"] == 4 and c["mean"] == pytest.approx(0.1) and c["rms"] == pytest.approx(rms)
+    phi = lambda x: 0.5 * (1 + erf(x / sqrt(2)))  # noqa: E731
+    # fp's two hits: trial 0 (margins 2.0, 1.0) and trial 2 (0.2, 3.0)
+    lost = [1 - (1 - phi(-2.0 / rms)) * (1 - phi(-1.0 / rms)), 1 - (1 - phi(-0.2 / rms)) * (1 - phi(-3.0 / rms))]
+    assert c["ref_hits"] == 2 and c["narrowest_ref_hits"] == [[2, 0.2], [0, 1.0]]
+    assert c["expected_misses"] == pytest.approx(sum(lost))
+    assert c["p_no_miss"] == pytest.approx((1 - lost[0]) * (1 - lost[1]))
+    assert c["p_no_miss"] < 0.9
+    # the deviation that makes no miss 90% likely is smaller, and reaches 90% (to bisection precision)
+    t = c["rms_for_target"]
+    assert 0 < t < rms
+    at = lambda s: (1 - phi(-2.0 / s)) * (1 - phi(-1.0 / s)) * (1 - phi(-0.2 / s)) * (1 - phi(-3.0 / s))  # noqa: E731
+    assert at(t) == pytest.approx(0.9, abs=1e-6)
+    # already quiet enough: the target is the measured deviation
+    assert ev.margin_noise(recs, "fp", "oiq-4", p_target=0.5)["rms_for_target"] == pytest.approx(rms)
+    # no paired tokens, or no fp hit: nothing to say
+    assert ev.margin_noise(recs[2:], "fp", "oiq-4") is None
+    assert ev.margin_noise(recs[1:2], "fp", "oiq-4") is None
+    # the summary carries it and the report prints it
+    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    assert s["oiq-4"]["margin_noise"] == c and "margin_noise" not in s["fp"]
+    res = {"caches": ["fp", "oiq-4"], "summary": s, "records": recs, "lengths": [512], "completed": 3,
+           "planned": 3, "trials_per_cell": 3, "depths": [0.5], "texts": ["a"]}
+    report = ev.needle_stats_markdown(res)
+    assert f"oiq-4: rms {rms:.3f} (mean +0.100) over 4 tokens" in report
+    assert f"needs rms <= {t:.3f}; fp's narrowest hits: #2 0.20, #0 1.00)" in report
