@@ -1208,18 +1208,25 @@ def _attribution_lines(names, summary, ref) -> list:
 
 def _coin_flip_note(record, summary, ref) -> str:
     """For a trial ``ref`` retrieves and some cache misses: ``ref``'s first-token
-    margin in units of each missing cache's first-token margin spread."""
+    margin in units of each missing cache's first-token margin spread, and ``ref``'s
+    narrowest answer margin in units of that cache's margin noise (a digit lost later in
+    the answer is judged by the second)."""
     r = record["results"]
     if ref not in r or not r[ref]["hit"]:
         return ""
-    m = r[ref]["margins"][0]
+    m, narrowest = r[ref]["margins"][0], min(r[ref]["margins"])
     notes = []
     for n, v in r.items():
-        c = summary.get(n, {}).get("first_margin_change")
-        if n == ref or v["hit"] or not c or not c["sd"]:
+        if n == ref or v["hit"]:
             continue
-        z = m / c["sd"]
-        notes.append(f"{ref}'s first-token margin {m:.3f} = {z:.2f} sd of {n}'s" + (", a coin flip" if z < 1 else ""))
+        c = summary.get(n, {}).get("first_margin_change")
+        if c and c["sd"]:
+            z = m / c["sd"]
+            notes.append(f"{ref}'s first-token margin {m:.3f} = {z:.2f} sd of {n}'s" + (", a coin flip" if z < 1 else ""))
+        noise = summary.get(n, {}).get("margin_noise")
+        if noise and noise["rms"]:
+            notes.append(f"{ref}'s narrowest answer margin {narrowest:.3f} = {narrowest / noise['rms']:.2f} rms of "
+                         f"{n}'s margin noise")
     return f" [{'; '.join(notes)}]" if notes else ""
 
 

@@ -212,8 +212,8 @@ def test_first_margin_change_and_coin_flips_constructed():
            "planned": 7, "trials_per_cell": 7, "depths": [0.5], "texts": ["a"]}
     lines = {line.split(" ")[1]: line for line in ev.needle_stats_markdown(res).splitlines() if line.startswith("- #")}
     assert set(lines) == {"#4", "#5", "#6"}
-    assert "fp's first-token margin 0.050 = 0.22 sd of oiq-4's, a coin flip]" in lines["#4"]
-    assert "= 2.17 sd of oiq-4's]" in lines["#5"] and "coin flip" not in lines["#5"]
+    assert "fp's first-token margin 0.050 = 0.22 sd of oiq-4's, a coin flip;" in lines["#4"]
+    assert "= 2.17 sd of oiq-4's;" in lines["#5"] and "coin flip" not in lines["#5"]
     assert "[" not in lines["#6"]
 
 
@@ -556,3 +556,6 @@ def test_margin_noise_constructed():
     report = ev.needle_stats_markdown(res)
     assert f"oiq-4: rms {rms:.3f} (mean +0.100) over 4 tokens" in report
     assert f"needs rms <= {t:.3f}; fp's narrowest hits: #2 0.20, #0 1.00)" in report
+    # the miss of #2 is put in units of that noise (fp's narrowest margin there: 0.2)
+    miss = next(line for line in report.splitlines() if line.startswith("- #2 "))
+    assert f"fp's narrowest answer margin 0.200 = {0.2 / rms:.2f} rms of oiq-4's margin noise]" in miss
