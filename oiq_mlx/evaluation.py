@@ -868,17 +868,20 @@ def margin_noise(records: list, ref: str, name: str, p_target: float = 0.9) -> d
             return [float(any(m < 0 for m in ms)) for ms in hit_margins]
         return [1.0 - math.prod(1.0 - _normal_cdf(-m / s) for m in ms) for ms in hit_margins]
 
+    def p_none(s: float) -> float:
+        return math.prod(1.0 - p for p in lost(s))
+
     p_lost = lost(rms)
-    p_none = lambda s: math.prod(1.0 - p for p in lost(s))  # noqa: E731
+    p_measured = math.prod(1.0 - p for p in p_lost)
     target = rms
-    if p_none(rms) < p_target:
+    if p_measured < p_target:
         lo, hi = 0.0, rms  # p_none falls as the deviation grows
         for _ in range(60):
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if p_none(mid) >= p_target else (lo, mid)
         target = lo
     return {"tokens": int(d.size), "mean": mean, "rms": rms, "ref_hits": len(hit_margins),
-            "expected_misses": float(sum(p_lost)), "p_no_miss": p_none(rms), "p_target": p_target,
+            "expected_misses": float(sum(p_lost)), "p_no_miss": p_measured, "p_target": p_target,
             "rms_for_target": target, "narrowest_ref_hits": sorted(narrow, key=lambda x: x[1])[:3]}
 
 
@@ -1219,11 +1222,11 @@ def _coin_flip_note(record, summary, ref) -> str:
     for n, v in r.items():
         if n == ref or v["hit"]:
             continue
-        c = summary.get(n, {}).get("first_margin_change")
+        entry = summary.get(n, {})
+        c, noise = entry.get("first_margin_change"), entry.get("margin_noise")
         if c and c["sd"]:
             z = m / c["sd"]
             notes.append(f"{ref}'s first-token margin {m:.3f} = {z:.2f} sd of {n}'s" + (", a coin flip" if z < 1 else ""))
-        noise = summary.get(n, {}).get("margin_noise")
         if noise and noise["rms"]:
             notes.append(f"{ref}'s narrowest answer margin {narrowest:.3f} = {narrowest / noise['rms']:.2f} rms of "
                          f"{n}'s margin noise")
