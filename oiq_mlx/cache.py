@@ -250,7 +250,11 @@ class OIQKVCache(_BaseCache):
     ``oiq_mlx.integration`` routes mlx-lm's ``scaled_dot_product_attention`` to.
     """
 
-    step = 256
+    # the packed buffers' capacity is a multiple of step rows, one block (flush_block): rows
+    # are packed in whole blocks, so capacity is what is packed, plus one block only on the
+    # step between growing and packing (DESIGN.md section 13); mlx-lm's KVCache uses 256,
+    # which at 72 bytes per packed row would be up to 18 KB per KV head and layer unused
+    step = 16
     # the full-precision buffer's capacity is a multiple of recent_step rows: at most
     # window + reserve + one block once a call has ended (DESIGN.md section 13)
     recent_step = 16

@@ -229,16 +229,18 @@ def server_args(spec: str) -> list:
     return parse_spec(spec).server_args()
 
 
-def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -> dict:
-    """KV bytes one sequence of ``tokens`` tokens holds under ``spec``: the
-    server's caches filled with random keys/values of the model's shapes
-    (``dtype``, the model's compute dtype), ``nbytes`` summed (allocated
-    capacity included); ``fp16``: float16 keys and values of the same tokens."""
+def _kv_shape(model):
     args = model.args
     n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    return n_kv, head_dim
+
+
+def _filled_cache(model, spec: str, tokens: int, dtype, key):
+    """The server's caches for ``spec`` holding ``tokens`` random keys/values of the
+    model's shapes, as a sequence holds them once it generates; and the next key."""
+    n_kv, head_dim = _kv_shape(model)
     cache = parse_spec(spec).make_cache(model)
-    key = mx.random.key(seed)
     for c in cache:
         for start in range(0, tokens, 1024):
             key, sub = mx.random.split(key)
@@ -247,8 +249,59 @@ def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -
             mx.eval(c.state)
     end_prefill(cache)  # exact_prefill: what the sequence holds once it generates
     mx.eval([c.state for c in cache])
-    fp16 = len(cache) * tokens * n_kv * head_dim * 2 * 2
-    return {"tokens": tokens, "bytes": int(sum(c.nbytes for c in cache)), "fp16_bytes": fp16}
+    return cache, key
+
+
+def _fp16_bytes(model, layers: int, tokens: int) -> int:
+    n_kv, head_dim = _kv_shape(model)
+    return layers * tokens * n_kv * head_dim * 2 * 2
+
+
+def kv_bytes_per_sequence(model, spec: str, tokens: int, dtype, seed: int = 0) -> dict:
+    """KV bytes one sequence of ``tokens`` tokens holds under ``spec``: the
+    server's caches filled with random keys/values of the model's shapes
+    (``dtype``, the model's compute dtype: the full-precision rows are stored in
+    it), ``nbytes`` summed (allocated capacity included); ``fp16_bytes``: float16
+    keys and values of the same tokens."""
+    cache, _ = _filled_cache(model, spec, tokens, dtype, mx.random.key(seed))
+    return {"tokens": tokens, "bytes": int(sum(c.nbytes for c in cache)), "fp16_bytes": _fp16_bytes(model, len(cache), tokens)}
+
+
+def kv_bytes_in_batch(model, spec: str, tokens: int, dtype, batch: int = 8, steps: int = 16,
+                      seed: int = 0) -> float | None:
+    """KV bytes per sequence while ``batch`` sequences of ``tokens`` tokens decode
+    together, as the server's batch holds them (mlx-lm's ``merge`` of each layer's
+    caches, then ``steps`` one-token steps with attention, so that OIQ's stacked
+    buffers and their spare rows are counted): the mean over the steps of the batch's
+    ``nbytes`` / ``batch``, against float16 of the same tokens.  None for caches mlx-lm
+    cannot batch (its quantized cache, which the server serves one request at a time)."""
+    from .integration import scaled_dot_product_attention
+
+    key = mx.random.key(seed)
+    seqs = []
+    for _ in range(batch):
+        cache, key = _filled_cache(model, spec, tokens, dtype, key)
+        if not all(hasattr(c, "merge") for c in cache):
+            return None
+        seqs.append(cache)
+    layers = [type(cs[0]).merge(list(cs)) for cs in zip(*seqs)]
+    del seqs
+    n_kv, head_dim = _kv_shape(model)
+    n_q = model.args.num_attention_heads
+    ratios = []
+    for step in range(1, steps + 1):
+        outs = []
+        for c in layers:
+            key, k1, k2 = mx.random.split(key, 3)
+            kv = mx.random.normal((batch, n_kv, 1, head_dim), key=k1).astype(dtype)
+            q = mx.random.normal((batch, n_q, 1, head_dim), key=k2).astype(dtype)
+            mask = c.make_mask(1)
+            keys, values = c.update_and_fetch(kv, kv)
+            outs.append(scaled_dot_product_attention(q, keys, values, c, head_dim**-0.5, mask))
+        mx.eval(outs)
+        held = sum(c.nbytes for c in layers) / batch
+        ratios.append(held / _fp16_bytes(model, len(layers), tokens + step))
+    return float(np.mean(ratios))
 
 
 # -- the benchmark ------------------------------------------------------------
@@ -295,11 +348,13 @@ def run_load(port: int, prompts, max_tokens: int) -> dict:
 
 
 def run_server_bench(*, model: str, specs, clients, lengths, max_tokens: int, kv_budget_bytes: int,
-                     log_dir, memory_lengths=(4096,), progress=None, text: str | None = None) -> dict:
+                     log_dir, memory_lengths=(4096,), progress=None, text: str | None = None,
+                     batch: int = 8) -> dict:
     """Every ``spec`` served by ``oiq-server`` (one process each), loaded with
-    each number of concurrent ``clients`` at each prompt length; plus KV bytes
-    per sequence at ``memory_lengths`` and the number of sequences that fit
-    ``kv_budget_bytes``."""
+    each number of concurrent ``clients`` at each prompt length (none when
+    ``clients`` or ``lengths`` is empty); plus KV bytes per sequence at
+    ``memory_lengths``, alone and in a decoding batch of ``batch``, and the number
+    of sequences that fit ``kv_budget_bytes``."""
     log = progress or (lambda msg: None)
     path = resolve_model(model)
     local_model, tokenizer = models.load(path)
@@ -309,8 +364,21 @@ def run_server_bench(*, model: str, specs, clients, lengths, max_tokens: int, kv
     for spec in specs:
         for length in sorted(set(memory_lengths)):
             kv = kv_bytes_per_sequence(local_model, spec, length, dtype)
-            kv.update(spec=spec, sequences_in_budget=kv_budget_bytes // max(1, kv["bytes"]))
+            kv.update(spec=spec, dtype=str(dtype).split(".")[-1],
+                      sequences_in_budget=kv_budget_bytes // max(1, kv["bytes"]))
+            # what a float16 model (a Mac's usual) holds: its full-precision rows at 2 bytes
+            half = kv if dtype == mx.float16 else kv_bytes_per_sequence(local_model, spec, length, mx.float16)
+            kv.update(fp16_model_bytes=half["bytes"],
+                      fp16_model_sequences_in_budget=kv_budget_bytes // max(1, half["bytes"]))
             memory.append(kv)
+            kv["fp16_model_batch_ratio"] = kv_bytes_in_batch(local_model, spec, length, mx.float16, batch=batch)
+            kv["batch"] = batch
+            in_batch = kv["fp16_model_batch_ratio"]
+            log(f"[{spec}] KV bytes per sequence of {length} tokens: {kv['bytes'] / kv['fp16_bytes']:.3f}x fp16 "
+                f"({kv['dtype']}), {half['bytes'] / kv['fp16_bytes']:.3f}x as a float16 model"
+                + (f", {in_batch:.3f}x in a batch of {batch}" if in_batch is not None else ""))
+        if not (lengths and clients):
+            continue  # the memory figure only
         log_path = Path(log_dir) / f"server_{spec.replace(':', '_').replace('[', '_').replace(']', '')}.log"
         with ServerProcess([*server_args(spec), "--model", path, "--max-tokens", str(max_tokens)], log_path=log_path) as srv:
             run_load(srv.port, prompt_texts(tokenizer, text, 1, 16), 2)  # warm-up
@@ -331,7 +399,7 @@ def run_server_bench(*, model: str, specs, clients, lengths, max_tokens: int, kv
 def markdown(result: dict) -> str:
     fp = {(r["prompt_tokens"], r["clients"]): r["tokens_per_s"] for r in result["runs"] if r["spec"] == "fp"}
     lines = ["| cache | clients | prompt | tok/s | vs fp | TTFT p50/p95 s | token p50/p95 ms | failed | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"] if result["runs"] else []
     for r in result["runs"]:
         ref = fp.get((r["prompt_tokens"], r["clients"]))
         ratio = f"{r['tokens_per_s'] / ref:.2f}x" if ref else "-"
@@ -340,16 +408,28 @@ def markdown(result: dict) -> str:
             f"{r['ttft_p50_s']:.2f} / {r['ttft_p95_s']:.2f} | {1000 * (r['token_latency_p50_s'] or 0):.0f} / "
             f"{1000 * (r['token_latency_p95_s'] or 0):.0f} | {len(r['failed']) + len(r['corrupted'])} | "
             f"{(r['peak_rss_bytes'] or 0) / 2**20:.0f} |")
+    mem = result["memory"]
+    if not mem:
+        return "\n".join(lines)
     budget = result["kv_budget_bytes"] / 2**20
-    lines += ["", f"| cache | tokens | KV bytes / sequence | vs fp16 | sequences in {budget:.0f} MiB |", "|---|---|---|---|---|"]
-    for m in result["memory"]:
+    lines += [""] * bool(lines) + [
+        f"| cache | tokens | KV bytes / sequence ({mem[0]['dtype']}) | vs fp16 | sequences in {budget:.0f} MiB | "
+        f"as a float16 model: vs fp16 | sequences in {budget:.0f} MiB | in a batch of {mem[0]['batch']}: vs fp16 |",
+        "|---|---|---|---|---|---|---|---|"]
+    for m in mem:
+        in_batch = m["fp16_model_batch_ratio"]
         lines.append(f"| {m['spec']} | {m['tokens']} | {m['bytes'] / 2**20:.2f} MiB | "
-                     f"{m['bytes'] / m['fp16_bytes']:.2f}x | {m['sequences_in_budget']} |")
+                     f"{m['bytes'] / m['fp16_bytes']:.3f}x | {m['sequences_in_budget']} | "
+                     f"{m['fp16_model_bytes'] / m['fp16_bytes']:.3f}x | {m['fp16_model_sequences_in_budget']} | "
+                     + (f"{in_batch:.3f}x |" if in_batch is not None else "- (not batched) |"))
     return "\n".join(lines)
 
 
 def save_plot(result: dict, path) -> str | None:
-    """Aggregate tokens/s against concurrent clients, one line per cache and prompt length."""
+    """Aggregate tokens/s against concurrent clients, one line per cache and prompt length
+    (None without server runs, or without matplotlib)."""
+    if not result["runs"]:
+        return None
     try:
         import matplotlib  # noqa: PLC0415 - optional dependency
 

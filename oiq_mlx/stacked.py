@@ -35,9 +35,9 @@ import numpy as np
 from .cache import _SELECT_FIRST, _ZERO, HostMemo, _center_pair, halves, pad_last
 from .codec import split_rows
 
-# spare rows the stacked buffers are allocated with, so that growing is rare
-RECENT_SPARE = 32
-ROWS_STEP = 256
+# spare rows of each sequence's window in the stacked buffer, so that compacting it (one
+# gather over the batch) is needed about once per block rather than every step
+RECENT_SPARE = 16
 # what each sequence has its own entry of, in batch order
 PER_SEQUENCE = ("caches", "offsets", "q_end", "recent_start")
 # every layer of a step writes at and masks by the same positions (see HostMemo)
@@ -123,7 +123,7 @@ class StackedDecode:
         held = [c.offset - c.recent_start for c in caches]
         packed = [c.q_end - s for c in caches]
         r_cap = _round_up(max(held) + RECENT_SPARE, first.recent_step)
-        p_cap = _round_up(max(packed) + first.flush_block, ROWS_STEP)
+        p_cap = _round_up(max(packed), first.step)
         sinks = mx.concatenate(
             [mx.stack([c.k.sink[:, :, :s], c.v.sink[:, :, :s]]) for c in caches], axis=1)
         recent = mx.concatenate(
@@ -276,7 +276,7 @@ class StackedDecode:
         a, b = self.q_end[i] - self.recent_start[i], target - self.recent_start[i]
         qa, qb = self.q_end[i] - s, target - s
         if qb > self.rows[0].shape[3]:
-            self.rows = tuple(_pad_rows(r, _round_up(qb, ROWS_STEP)) for r in self.rows)
+            self.rows = tuple(_pad_rows(r, _round_up(qb, c.step)) for r in self.rows)
         if c.config.positional and (c.k.needs_statistics or c.v.needs_statistics):
             self._estimate(i, c)
         c._kv_recent = self.recent[:, i : i + 1]

@@ -14,6 +14,7 @@ stdout) and a PNG; a progress line per configuration on stderr.
 
 Examples:
   python scripts/bench_server.py --quick          # a few minutes on 2 CPU cores
+  python scripts/bench_server.py --memory-only --memory-lengths 1k,4k,32k   # KV bytes only, seconds
   python scripts/bench_server.py --model mlx-community/Llama-3.2-1B-Instruct-4bit   # Mac
 """
 
@@ -40,7 +41,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     parser.add_argument("--memory-lengths", default="4k,8k",
                         help="sequence lengths of the KV bytes / capacity figure (default 4k,8k; --quick 4k)")
+    parser.add_argument("--memory-batch", type=int, default=8,
+                        help="sequences decoding together for the figure's in-a-batch column (default 8)")
     parser.add_argument("--kv-budget-mib", type=float, default=1024, help="KV budget for the capacity figure (default 1024)")
+    parser.add_argument("--memory-only", action="store_true",
+                        help="only the KV bytes / capacity figure (no server is started; seconds)")
     parser.add_argument("--quick", action="store_true",
                         help="fp, mlx:4, preset:4bit; 1 and 8 clients; 256-token prompts; 16 tokens each; KV bytes at 4k")
     parser.add_argument("--out", default="bench_results/bench_server", help="output folder (default bench_results/bench_server)")
@@ -58,6 +63,12 @@ def main(argv=None) -> int:
         for s in specs:
             server_bench.server_args(s)
         clients, lengths, memory_lengths = _ints(args.clients), _ints(args.lengths), _ints(args.memory_lengths)
+        if args.memory_only:
+            clients = lengths = []
+        if args.memory_batch < 1:
+            raise ValueError(f"--memory-batch must be >= 1, got {args.memory_batch}")
+        if not memory_lengths and not (clients and lengths):
+            raise ValueError("nothing to measure: give --memory-lengths, or --clients and --lengths")
     except ValueError as e:
         print(f"bench_server: error: {e}", file=sys.stderr)
         return 2
@@ -65,7 +76,7 @@ def main(argv=None) -> int:
     result = server_bench.run_server_bench(
         model=args.model, specs=specs, clients=clients, lengths=lengths, max_tokens=args.max_tokens,
         kv_budget_bytes=int(args.kv_budget_mib * 2**20), log_dir=args.out, memory_lengths=memory_lengths,
-        progress=lambda msg: print(msg, file=sys.stderr, flush=True),
+        progress=lambda msg: print(msg, file=sys.stderr, flush=True), batch=args.memory_batch,
     )
     table = server_bench.markdown(result)
     with open(os.path.join(args.out, "bench_server.json"), "w") as f:

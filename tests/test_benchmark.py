@@ -116,8 +116,9 @@ def test_kv_bytes_match_cache_formulas(model_result):
         else:
             b = r["bits"]
             cfg = OIQConfig.preset(f"{b}bit")  # the benchmark's OIQ caches are the presets
-            n_q = max(0, T - cfg.window - cfg.sink_tokens)
-            cap_q = math.ceil(n_q / 256) * 256
+            # packed rows in whole blocks, capacity in steps of one block
+            n_q = max(0, OIQKVCache(cfg).packed_end(T) - cfg.sink_tokens)
+            cap_q = math.ceil(n_q / OIQKVCache.step) * OIQKVCache.step
             quant = N_KV * cap_q * 2 * oiq_bytes_per_token(HEAD_DIM, b, cfg.group_size)
             sink = 2 * N_KV * cfg.sink_tokens * HEAD_DIM * 4
             mean = (int(cfg.center_keys) + int(cfg.center_values)) * N_KV * HEAD_DIM * 4
@@ -188,3 +189,35 @@ def test_group_size_replaces_only_the_group_size():
     for b in (4, 3, 2):
         assert specs[f"oiq-{b}bit"].oiq == OIQConfig.preset(f"{b}bit", group_size=64)
         assert specs[f"oiq-{b}bit"].group_size == 64
+
+
+def test_server_bench_memory_only(tmp_path):
+    """``bench_server.py --memory-only``: the KV bytes / capacity figure without starting a
+    server, in the model's dtype (float32 here) and as a float16 model holds it; OIQ's packed
+    buffers hold no unused rows (capacity grows one block at a time)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_server.py"), "--memory-only", "--memory-lengths", "1000",
+         "--caches", "fp,preset:4bit", "--kv-budget-mib", "64", "--memory-batch", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "sequences in 64 MiB" in out.stdout and "tok/s" not in out.stdout
+    assert not list(tmp_path.glob("server_*.log"))  # no server was started
+    mem = {m["spec"]: m for m in json.loads((tmp_path / "bench_server.json").read_text())["memory"]}
+    fp, oiq = mem["fp"], mem["preset:4bit"]
+    # mlx-lm's KVCache: capacity in steps of 256 (1024 rows for 1000 tokens), 4 bytes a value here
+    assert fp["dtype"] == "float32" and fp["bytes"] == 2 * fp["fp16_model_bytes"] == 2 * fp["fp16_bytes"] * 1024 // 1000
+    assert fp["sequences_in_budget"] == 64 * 2**20 // fp["bytes"]
+    # one layer's cache of the demo model's shape (3 KV heads of 64), filled the same way
+    cache = OIQKVCache(OIQConfig.preset("4bit"))
+    kv = mx.random.normal((1, 3, 1000, 64)).astype(mx.float16)
+    cache.update_and_fetch(kv, kv)
+    cache.end_prefill()
+    assert cache.k.rows.shape[2] == cache.q_end - cache.config.sink_tokens  # no unused packed rows
+    assert oiq["fp16_model_bytes"] == 30 * cache.nbytes
+    assert oiq["fp16_model_bytes"] < oiq["bytes"] < fp["fp16_bytes"] / 2
+    # two sequences decoding together: mlx-lm's BatchKVCache (its merge and its steps of 256 rows
+    # leave 1256 rows allocated for 1001-1016 tokens), and OIQ's stacked buffers, which hold each
+    # sequence's rows plus spare window rows
+    assert fp["batch"] == oiq["batch"] == 2
+    assert fp["fp16_model_batch_ratio"] == pytest.approx(sum(1256 / (1000 + t) for t in range(1, 17)) / 16)
+    assert oiq["fp16_model_bytes"] / oiq["fp16_bytes"] < oiq["fp16_model_batch_ratio"] < 0.4

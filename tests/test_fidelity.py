@@ -147,7 +147,9 @@ def test_sweep_rows_on_tiny_model():
     # KVCache, 256 rows allocated (steps of 256) for 192 tokens; the preset adds to its
     # 40 bytes the sinks, window, reserve and means, within issue 16's fixed cost
     assert rows[0]["bytes_allocated"] == pytest.approx(256 * 256 / 192)
-    packed = OIQKVCache.step * 40
+    # packed rows: whole blocks, capacity one block ahead at most (grown on the step before packing)
+    cfg = OIQConfig.preset("2bit")
+    packed = (OIQKVCache(cfg).packed_end(192) - cfg.sink_tokens + OIQKVCache.step) * 40
     # full-precision rows; float32 vectors per KV head: key and value means, key scales and
     # their stacked copy (2), and the 4 sign vectors of the layer over its 2 KV heads
     window = OIQConfig.preset("2bit").window
