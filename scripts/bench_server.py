@@ -14,7 +14,7 @@ stdout) and a PNG; a progress line per configuration on stderr.
 
 Examples:
   python scripts/bench_server.py --quick          # a few minutes on 2 CPU cores
-  python scripts/bench_server.py --memory-only --memory-lengths 1k,4k,32k   # KV bytes only, seconds
+  python scripts/bench_server.py --memory-only --memory-lengths 1k,4k   # KV bytes only, no server
   python scripts/bench_server.py --model mlx-community/Llama-3.2-1B-Instruct-4bit   # Mac
 """
 
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                         help="sequences decoding together for the figure's in-a-batch column (default 8)")
     parser.add_argument("--kv-budget-mib", type=float, default=1024, help="KV budget for the capacity figure (default 1024)")
     parser.add_argument("--memory-only", action="store_true",
-                        help="only the KV bytes / capacity figure (no server is started; seconds)")
+                        help="only the KV bytes / capacity figure (no server is started; a few minutes up to 8k tokens)")
     parser.add_argument("--quick", action="store_true",
                         help="fp, mlx:4, preset:4bit; 1 and 8 clients; 256-token prompts; 16 tokens each; KV bytes at 4k")
     parser.add_argument("--out", default="bench_results/bench_server", help="output folder (default bench_results/bench_server)")
