@@ -368,12 +368,11 @@ def run_server_bench(*, model: str, specs, clients, lengths, max_tokens: int, kv
                       sequences_in_budget=kv_budget_bytes // max(1, kv["bytes"]))
             # what a float16 model (a Mac's usual) holds: its full-precision rows at 2 bytes
             half = kv if dtype == mx.float16 else kv_bytes_per_sequence(local_model, spec, length, mx.float16)
+            in_batch = kv_bytes_in_batch(local_model, spec, length, mx.float16, batch=batch)
             kv.update(fp16_model_bytes=half["bytes"],
-                      fp16_model_sequences_in_budget=kv_budget_bytes // max(1, half["bytes"]))
+                      fp16_model_sequences_in_budget=kv_budget_bytes // max(1, half["bytes"]),
+                      fp16_model_batch_ratio=in_batch, batch=batch)
             memory.append(kv)
-            kv["fp16_model_batch_ratio"] = kv_bytes_in_batch(local_model, spec, length, mx.float16, batch=batch)
-            kv["batch"] = batch
-            in_batch = kv["fp16_model_batch_ratio"]
             log(f"[{spec}] KV bytes per sequence of {length} tokens: {kv['bytes'] / kv['fp16_bytes']:.3f}x fp16 "
                 f"({kv['dtype']}), {half['bytes'] / kv['fp16_bytes']:.3f}x as a float16 model"
                 + (f", {in_batch:.3f}x in a batch of {batch}" if in_batch is not None else ""))
