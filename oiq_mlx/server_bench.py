@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from . import models
-from .integration import end_prefill
+from .integration import end_prefill, model_head_dim
 from .models import resolve_model
 from .specs import parse_spec
 
@@ -231,9 +231,7 @@ def server_args(spec: str) -> list:
 
 def _kv_shape(model):
     args = model.args
-    n_kv = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    return n_kv, head_dim
+    return getattr(args, "num_key_value_heads", None) or args.num_attention_heads, model_head_dim(model)
 
 
 def _filled_cache(model, spec: str, tokens: int, dtype, key):
@@ -277,12 +275,12 @@ def kv_bytes_in_batch(model, spec: str, tokens: int, dtype, batch: int = 8, step
     cannot batch (its quantized cache, which the server serves one request at a time)."""
     from .integration import scaled_dot_product_attention
 
+    if not all(hasattr(c, "merge") for c in parse_spec(spec).make_cache(model)):
+        return None
     key = mx.random.key(seed)
     seqs = []
     for _ in range(batch):
         cache, key = _filled_cache(model, spec, tokens, dtype, key)
-        if not all(hasattr(c, "merge") for c in cache):
-            return None
         seqs.append(cache)
     layers = [type(cs[0]).merge(list(cs)) for cs in zip(*seqs)]
     del seqs
