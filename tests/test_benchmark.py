@@ -221,3 +221,14 @@ def test_server_bench_memory_only(tmp_path):
     assert fp["batch"] == oiq["batch"] == 2
     assert fp["fp16_model_batch_ratio"] == pytest.approx(sum(1256 / (1000 + t) for t in range(1, 17)) / 16)
     assert oiq["fp16_model_bytes"] / oiq["fp16_bytes"] < oiq["fp16_model_batch_ratio"] < 0.4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--memory-only", "--memory-lengths", ""], "nothing to measure"),
+    (["--memory-only", "--memory-batch", "0"], "--memory-batch must be >= 1, got 0"),
+])
+def test_server_bench_rejects_empty_measurements(argv, message, tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_server.py"), *argv, "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert not list(tmp_path.iterdir())  # refused before writing anything
