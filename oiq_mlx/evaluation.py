@@ -1108,6 +1108,24 @@ def _needle_stats_result(records, names, recorded_specs, planned, only, lengths,
     }
 
 
+def resummarize_needle(result: dict) -> dict:
+    """``result`` (what :func:`needle_stats` returns or wrote) with its ``summary`` and
+    ``completed`` computed again from its ``records``: the report of a results file whose
+    trials were merged from several runs (``--only`` halves on copies) counts them all.
+    Raises ``ValueError`` naming what a dict that is not such a result lacks."""
+    if not isinstance(result, dict):
+        raise ValueError(f"not a needle_stats results file: a JSON object was expected, got {type(result).__name__}")
+    missing = [k for k in ("caches", "records", "lengths", "depths", "planned", "trials_per_cell", "texts")
+               if k not in result]
+    if missing:
+        raise ValueError(f"not a needle_stats results file: no {', '.join(missing)}")
+    names, records = result["caches"], result["records"]
+    if not names or not isinstance(records, list):
+        raise ValueError("not a needle_stats results file: no caches, or records is not a list")
+    return {**result, "completed": sum(all(n in r["results"] for n in names) for r in records),
+            "summary": summarize_needle_trials(records, names, ref=names[0])}
+
+
 def _fmt_rate(r: dict) -> str:
     if not r["n"]:
         return "-"

@@ -20,6 +20,8 @@ Headline run (60 trials per length over three novels; many CPU-hours; --resume
 continues a stopped run from its JSON):
     python scripts/needle_stats.py --texts novel1.txt,novel2.txt,novel3.txt \\
         --lengths 2048,4096,8000 --trials 12 --json out/needle.json --resume
+The report of a results file, running nothing:
+    python scripts/needle_stats.py --report out/needle.json
 """
 
 import argparse
@@ -86,9 +88,26 @@ def main(argv=None):
                         "with --resume, stored trials without it run again, fp included")
     p.add_argument("--json", default=None, help="results file, rewritten after every trial")
     p.add_argument("--markdown", default=None, help="also write the markdown report to this file")
+    p.add_argument("--report", default=None, metavar="JSON",
+                   help="print the report of a results file and run nothing (no model is loaded): its summary is "
+                        "computed again from its trials, so a file merged from --only runs reports them all; with "
+                        "--markdown also written there. Takes no other option")
     p.add_argument("--resume", action="store_true", help="keep the trials already in --json (same plan) and run the rest; on finished trials, run "
                         "only the caches that are new or whose configuration changed (fp answers are reused)")
     args = p.parse_args(argv)
+    if args.report:
+        others = [k for k, v in vars(args).items() if k not in ("report", "markdown") and v != p.get_default(k)]
+        if others:
+            p.error("--report takes no other option but --markdown, got " + ", ".join(f"--{k.replace('_', '-')}" for k in others))
+        try:
+            with open(args.report) as f:
+                report = ev.needle_stats_markdown(ev.resummarize_needle(json.load(f)))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--report: cannot report {args.report}: {type(e).__name__}: {e}")
+        if args.markdown:
+            Path(args.markdown).write_text(report + "\n", encoding="utf-8")
+        print(report)
+        return
     base = QUICK if args.quick else FULL
     lengths = args.lengths or base["lengths"]
     depths = args.depths or base["depths"]

@@ -559,3 +559,50 @@ def test_margin_noise_constructed():
     # the miss of #2 is put in units of that noise (fp's narrowest margin there: 0.2)
     miss = next(line for line in report.splitlines() if line.startswith("- #2 "))
     assert f"fp's narrowest answer margin 0.200 = {0.2 / rms:.2f} rms of oiq-4's margin noise]" in miss
+
+
+def test_report_of_merged_runs(monkeypatch, tmp_path):
+    """A plan run as two ``only`` halves on copies and merged by hand (how the long plans are
+    run side by side) reports, through ``--report``, exactly what the plan run whole reports:
+    the summary and the completed count are computed again from the trials, nothing runs."""
+    tok = CharTokenizer()
+
+    def answers(model, tokenizer, ids, specs, **kw):
+        key = tokenizer.decode(ids).split("The pass key is ")[1][:5]
+        wrong = {"fp": int(key) % 3 == 0, "oiq-4": int(key) % 4 == 0}
+        return {s.name: {"answer": f" {int(key) + 1 if wrong[s.name] else key}.", "margins": [0.5, 1.0],
+                         "seconds": 0.0} for s in specs}
+
+    monkeypatch.setattr(ev, "trial_answers", answers)
+    hays = [ev.prepare_haystack(tok, "a", TEXT_A), ev.prepare_haystack(tok, "b", TEXT_B)]
+    specs = [parse_spec("fp"), parse_spec("oiq-4")]
+    kw = dict(haystacks=hays, lengths=(600,), depths=(0.0, 0.5, 1.0), trials=4, seed=5, chat=False)
+    whole = ev.needle_stats(None, tok, specs, **kw)
+    even = ev.needle_stats(None, tok, specs, only=list(range(0, 12, 2)), **kw)
+    odd = ev.needle_stats(None, tok, specs, only=list(range(1, 12, 2)), **kw)
+    merged = json.loads(json.dumps(even))
+    merged["records"] = sorted(merged["records"] + odd["records"], key=lambda r: r["index"])
+    merged["only"] = None
+    assert merged["completed"] == 6 and merged["summary"] != whole["summary"]  # the stale summary of one half
+    fixed = ev.resummarize_needle(merged)
+    assert fixed["completed"] == 12
+    assert json.loads(json.dumps(fixed["summary"])) == json.loads(json.dumps(whole["summary"]))
+    p = whole["summary"]["oiq-4"]["paired"]
+    assert p["ref_only"] + p["other_only"] > 0  # the halves disagree somewhere: the counts are not trivial
+
+    path, md = tmp_path / "merged.json", tmp_path / "report.md"
+    path.write_text(json.dumps(merged))
+    script = [sys.executable, str(ROOT / "scripts" / "needle_stats.py")]
+    out = subprocess.run(script + ["--report", str(path), "--markdown", str(md)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    expected = ev.needle_stats_markdown(json.loads(json.dumps(whole)))
+    assert out.stdout.strip() == expected.strip() == md.read_text().strip()
+    assert "12/12 trials" in out.stdout and path.read_text() == json.dumps(merged)  # the file is left as it was
+
+    (tmp_path / "other.json").write_text(json.dumps({"records": []}))
+    for args, msg in ((["--report", str(path), "--trials", "3"], "--report takes no other option but --markdown, got --trials"),
+                      (["--report", str(tmp_path / "other.json")], "not a needle_stats results file: no caches"),
+                      (["--report", str(tmp_path / "none.json")], "cannot report")):
+        bad = subprocess.run(script + args, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and msg in bad.stderr, (args, bad.stderr)
