@@ -1084,8 +1084,16 @@ def _same_config(a, b) -> bool:
     return normal(a) == normal(b)
 
 
+def _recount(records, names) -> dict:
+    """What a results file derives from its trials: ``completed`` (trials every named cache
+    has run; a checkpoint also holds an earlier run's trials as they were) and ``summary``."""
+    return {"completed": sum(all(n in r["results"] for n in names) for r in records),
+            "summary": summarize_needle_trials(records, names, ref=names[0])}
+
+
 def _needle_stats_result(records, names, recorded_specs, planned, only, lengths, depths, trials, seed, chat,
                          prefill_step_size, share_prefill, haystacks):
+    counts = _recount(records, names)
     return {
         "caches": names,
         "specs": recorded_specs,
@@ -1095,15 +1103,14 @@ def _needle_stats_result(records, names, recorded_specs, planned, only, lengths,
         "planned": planned,
         # the trials this run was limited to (None: the whole plan)
         "only": only,
-        # trials every named cache has run (a checkpoint also holds an earlier run's trials as they were)
-        "completed": sum(all(n in r["results"] for n in names) for r in records),
+        "completed": counts["completed"],
         "seed": seed,
         "chat": chat,
         "prefill_step_size": prefill_step_size,
         "share_prefill": share_prefill,
         "texts": {h.name: len(h.ids) for h in haystacks},
         "format": {"needle": NEEDLE_TEMPLATE, "question": QUESTION, "answer_prefix": ANSWER_PREFIX},
-        "summary": summarize_needle_trials(records, names, ref=names[0]),
+        "summary": counts["summary"],
         "records": records,
     }
 
@@ -1122,8 +1129,7 @@ def resummarize_needle(result: dict) -> dict:
     names, records = result["caches"], result["records"]
     if not names or not isinstance(records, list):
         raise ValueError("not a needle_stats results file: no caches, or records is not a list")
-    return {**result, "completed": sum(all(n in r["results"] for n in names) for r in records),
-            "summary": summarize_needle_trials(records, names, ref=names[0])}
+    return {**result, **_recount(records, names)}
 
 
 def _fmt_rate(r: dict) -> str:
