@@ -54,7 +54,7 @@ from .config import OIQConfig, layer_bits_text
 from . import __version__, _platform, models
 from .integration import end_prefill, install, model_head_dim, oiq_layer_indices
 from .rotation import random_signs, rotate
-from .specs import CacheSpec, cache_registry, parse_spec  # noqa: F401 (cache_registry: for the scripts)
+from .specs import CacheSpec, Float16KVCache, cache_registry, parse_spec  # noqa: F401 (cache_registry: for the scripts)
 
 DEFAULT_CACHES = (
     "fp", "mlx-q8-g64", "mlx-q4-g64", "mlx-q8-g32", "mlx-q4-g32", "absmax-4", "oiq-nosigns-4",
@@ -1311,6 +1311,9 @@ def _layer_attention(spec: CacheSpec, layer_cache, rec) -> tuple | None:
         deq = lambda t: mx.dequantize(*t, group_size=layer_cache.group_size, bits=layer_cache.bits)
         return out, deq(qk), deq(qv)
     if type(layer_cache) is KVCache and spec.kind == "fp":
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=rec["sinks"]), k, v
+    if isinstance(layer_cache, Float16KVCache):
+        k, v = layer_cache.update_and_fetch(k, v)
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=rec["sinks"]), k, v
     return None
 

@@ -5,6 +5,9 @@ benchmark (``bench_latency.py``) and the server benchmark (``bench_server.py``).
 A configuration is named by text that :func:`parse_spec` reads:
 
 * ``fp``: mlx-lm ``KVCache`` at the model's dtype;
+* ``fp16``: mlx-lm ``KVCache`` holding keys and values rounded to float16 (what a
+  float16 model's cache holds on a Mac), attention at the model's dtype: on a
+  float32 model it measures what float16 storage alone changes;
 * ``mlx:B`` / ``mlx:B:G``: mlx-lm's affine ``QuantizedKVCache``, B bits, group
   G (default 64, mlx-lm's);
 * ``preset:NAME`` / ``preset:NAME[field=value,...]``: ``OIQConfig.preset(NAME)``
@@ -25,6 +28,7 @@ import dataclasses
 import re
 import warnings
 
+import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .config import PRESETS, OIQConfig
@@ -34,11 +38,21 @@ FP16_BYTES = 2
 MLX_GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default
 
 
+class Float16KVCache(KVCache):
+    """mlx-lm's ``KVCache`` storing keys and values as float16 and returning them at the
+    dtype they arrived in (the ``fp16`` configuration)."""
+
+    def update_and_fetch(self, keys, values):
+        k, v = super().update_and_fetch(keys.astype(mx.float16), values.astype(mx.float16))
+        return k.astype(keys.dtype), v.astype(values.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class CacheSpec:
     """One cache configuration.
 
-    ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` at the model dtype), ``"mlx"``
+    ``kind`` is ``"fp"`` (mlx-lm ``KVCache`` at the model dtype), ``"fp16"``
+    (:class:`Float16KVCache`), ``"mlx"``
     (mlx-lm ``QuantizedKVCache(group_size, bits)``, affine) or ``"oiq"``
     (:class:`OIQKVCache` with ``oiq``).
 
@@ -81,6 +95,8 @@ class CacheSpec:
         self._check_calibrated("making a cache")
         if self.kind == "fp":
             return make_prompt_cache(model)
+        if self.kind == "fp16":
+            return [Float16KVCache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
         if self.kind == "mlx":
             return [
                 c.to_quantized(group_size=self.group_size, bits=self.bits) if type(c) is KVCache else c
@@ -103,7 +119,7 @@ class CacheSpec:
         calibrated yet (its bytes depend on the prompt).
         """
         self._check_calibrated("counting its bytes")
-        if self.kind == "fp":
+        if self.kind in ("fp", "fp16"):
             return 2 * head_dim * FP16_BYTES
         if self.kind == "mlx":
             groups = -(-head_dim // self.group_size)
@@ -127,6 +143,9 @@ class CacheSpec:
         (mlx: quantized from the first token, not mlx-lm's default 5000), or
         every OIQ field as its flag."""
         self._check_calibrated("serving it")
+        if self.kind == "fp16":
+            raise ValueError(f"cache {self.name!r}: oiq-server has no flag for float16 storage under another "
+                             "model dtype (serve the model in float16 with --no-oiq instead)")
         if self.kind == "fp":
             return ["--no-oiq"]
         if self.kind == "mlx":
@@ -172,7 +191,8 @@ def _mlx(bits: int, group: int, name: str | None = None) -> CacheSpec:
 
 def cache_registry() -> dict[str, CacheSpec]:
     """Every named cache, in report order."""
-    specs = [CacheSpec("fp", "fp", description="mlx-lm KVCache at the model dtype (reference)")]
+    specs = [CacheSpec("fp", "fp", description="mlx-lm KVCache at the model dtype (reference)"),
+             CacheSpec("fp16", "fp16", description="mlx-lm KVCache holding float16 keys and values, attention at the model dtype")]
     for g in (64, 32):
         for b in (8, 4):
             specs.append(_mlx(b, g))
@@ -261,7 +281,7 @@ def parse_spec(text: str) -> CacheSpec:
         auto = _auto(text, kw)
         return _oiq_spec(name, OIQConfig(**kw), f"custom OIQ {kw}", auto)
     raise ValueError(
-        f"unknown cache {text!r}; use fp, mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...] "
+        f"unknown cache {text!r}; use fp, fp16, mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...] "
         f"or one of {', '.join(reg)}"
     )
 

@@ -55,7 +55,7 @@ def main(argv=None):
                    help="comma-separated UTF-8 haystack text files, used round robin (default: the vendored "
                         "Austen excerpt, oiq_mlx/data/austen_persuasion.txt)")
     p.add_argument("--caches", default=None,
-                   help=f"comma-separated caches (registry names, preset:NAME[...], oiq[...], mlx:B[:G]); fp is "
+                   help=f"comma-separated caches (registry names such as fp16 (float16 keys and values), preset:NAME[...], oiq[...], mlx:B[:G]); fp is "
                         f"always added first as the paired reference (default {','.join(FULL['caches'])}; "
                         f"--quick: {','.join(QUICK['caches'])})")
     p.add_argument("--lengths", type=_ints, default=None,

@@ -2,13 +2,15 @@
 
 import argparse
 
+import mlx.core as mx
+
 import pytest
 from helpers import tiny_llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from oiq_mlx import OIQConfig, OIQKVCache
 from oiq_mlx.cli import add_oiq_options, config_from_args
-from oiq_mlx.specs import cache_registry, parse_spec, split_spec_list
+from oiq_mlx.specs import Float16KVCache, cache_registry, parse_spec, split_spec_list
 
 
 def test_one_name_per_cache_across_the_scripts():
@@ -52,6 +54,8 @@ def test_server_flags_of_mlx_lm_caches_and_unservable_fields():
                                                 "--quantized-kv-start", "0"]
     with pytest.raises(ValueError, match="no flag for rotation"):
         parse_spec("absmax-4").server_args()
+    with pytest.raises(ValueError, match="no flag for float16 storage"):
+        parse_spec("fp16").server_args()
 
 
 def test_make_cache_kinds():
@@ -60,3 +64,15 @@ def test_make_cache_kinds():
     assert isinstance(parse_spec("mlx:8").make_cache(model)[0], QuantizedKVCache)
     assert parse_spec("preset:2bit").make_cache(model)[0].config == OIQConfig.preset("2bit")
     assert isinstance(parse_spec("oiq-4").make_cache(model)[0], OIQKVCache)
+
+
+def test_fp16_stores_float16_and_attends_at_the_model_dtype():
+    model = tiny_llama(layers=1)
+    (cache,) = parse_spec("fp16").make_cache(model)
+    assert type(cache) is Float16KVCache
+    k, v = mx.random.normal((1, 2, 5, 16)), mx.random.normal((1, 2, 5, 16))
+    kh, vh = cache.update_and_fetch(k, v)
+    assert kh.dtype == vh.dtype == mx.float32 and cache.keys.dtype == mx.float16
+    assert mx.array_equal(kh, k.astype(mx.float16).astype(mx.float32)).item()
+    assert not mx.array_equal(kh, k).item()  # the rounding is there
+    assert cache.nbytes == 2 * (2 * 256 * 16) * 2  # keys and values, mlx-lm's 256-token step, 2 bytes
