@@ -841,8 +841,8 @@ def margin_noise(records: list, ref: str, name: str, p_target: float = 0.9) -> d
     taking each token's change as an independent zero-mean normal of deviation ``rms``,
     it is lost with probability ``1 - prod(1 - Phi(-m / rms))``.  ``expected_misses``
     sums that over ``ref``'s hits, ``p_no_miss`` is the chance that none is lost, and
-    ``rms_for_target`` the deviation at which that chance would reach ``p_target`` (the
-    measured one when it already does); ``narrowest_ref_hits``: ``[index, smallest
+    ``rms_for_target`` the largest deviation at which that chance still reaches ``p_target``
+    (above the measured one when it already does); ``narrowest_ref_hits``: ``[index, smallest
     margin]`` of ``ref``'s three closest hits, which decide that deviation.  A
     statistical lens, not a count: near-ties in ``ref``'s own answers (margins of a few
     hundredths) are lost by almost any noise.  None without two paired tokens or
@@ -873,13 +873,13 @@ def margin_noise(records: list, ref: str, name: str, p_target: float = 0.9) -> d
 
     p_lost = lost(rms)
     p_measured = math.prod(1.0 - p for p in p_lost)
-    target = rms
-    if p_measured < p_target:
-        lo, hi = 0.0, rms  # p_none falls as the deviation grows
-        for _ in range(60):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if p_none(mid) >= p_target else (lo, mid)
-        target = lo
+    lo, hi = 0.0, max(rms, 1e-6)  # p_none falls as the deviation grows
+    while p_none(hi) >= p_target and hi < 1e6:
+        lo, hi = hi, 2 * hi
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if p_none(mid) >= p_target else (lo, mid)
+    target = lo
     return {"tokens": int(d.size), "mean": mean, "rms": rms, "ref_hits": len(hit_margins),
             "expected_misses": float(sum(p_lost)), "p_no_miss": p_measured, "p_target": p_target,
             "rms_for_target": target, "narrowest_ref_hits": sorted(narrow, key=lambda x: x[1])[:3]}
