@@ -161,7 +161,7 @@ def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
     assert [r["layer"] for r in records] == [0, 1, 2]
     assert records[0]["queries"].shape == (1, 4, 80, 32)
     q0 = np.array(records[0]["queries"])
-    specs = ev.select_caches(["oiq-8", "oiq-plain-2", "mlx-q8-g32", "mlx-q4-g32"])
+    specs = ev.select_caches(["fp16", "oiq-8", "oiq-plain-2", "mlx-q8-g32", "mlx-q4-g32"])
     res = ev.attention_fidelity(model, None, specs, records=records)
     np.testing.assert_array_equal(np.array(records[0]["queries"]), q0)
     assert res["mlx-q8-g32"]["cos_mean"] > 0.999
@@ -170,6 +170,8 @@ def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
     assert res["fp"]["k_rel_err"] == 0.0
     assert res["oiq-8"]["cos_mean"] > 0.999
     assert res["oiq-8"]["k_rel_err"] < res["oiq-plain-2"]["k_rel_err"]
+    # float16 storage: rounding only (relative error ~2^-11), well below 8 bits'
+    assert 0 < res["fp16"]["k_rel_err"] < 1e-3 < res["mlx-q8-g32"]["k_rel_err"]
     assert len(res["oiq-8"]["per_layer"]) == 3
 
 
