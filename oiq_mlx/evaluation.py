@@ -1310,12 +1310,11 @@ def _layer_attention(spec: CacheSpec, layer_cache, rec) -> tuple | None:
                                                      group_size=layer_cache.group_size, bits=layer_cache.bits)
         deq = lambda t: mx.dequantize(*t, group_size=layer_cache.group_size, bits=layer_cache.bits)
         return out, deq(qk), deq(qv)
-    if type(layer_cache) is KVCache and spec.kind == "fp":
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=rec["sinks"]), k, v
     if isinstance(layer_cache, Float16KVCache):
-        k, v = layer_cache.update_and_fetch(k, v)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=rec["sinks"]), k, v
-    return None
+        k, v = layer_cache.update_and_fetch(k, v)  # rounded to float16, as attention reads them
+    elif not (type(layer_cache) is KVCache and spec.kind == "fp"):
+        return None
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=rec["sinks"]), k, v
 
 
 def attention_fidelity(model, tokens, specs, *, records=None, progress=None) -> dict:
