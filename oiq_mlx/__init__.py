@@ -1,62 +1,59 @@
-"""oiq_mlx: 2-8 bit KV cache for mlx-lm with Orthogonal Invariance Quantization.
+"""oiq_mlx: a 2-8 bit KV cache for mlx-lm, by Orthogonal Invariance Quantization.
 
-Every key and value head vector is rotated by a sign-randomized Walsh-Hadamard
-transform, quantized per group with one float16 scale, and packed into uint32
-words; attention rotates the query instead of un-rotating keys.
+Every key and value head vector is rotated by a sign-randomized Walsh-Hadamard transform,
+quantized per group with one float16 scale, and packed into uint32 words; attention rotates the
+query instead of un-rotating keys.
+
+The everyday API (``__all__``):
+
+- ``OIQConfig``, ``OIQConfig.preset("4bit" | "3bit" | "2bit")``: the cache configuration;
+- ``make_oiq_cache(model, config)``: a prompt-cache list for ``mlx_lm.generate``;
+- ``OIQKVCache``, ``BatchOIQKVCache``: the cache classes (one sequence, a batch);
+- ``end_prefill(cache)``, ``kv_memory(cache)``: pack a held prompt now; bytes held vs float16;
+- ``save_prompt_cache``, ``load_prompt_cache``: mlx-lm's own functions, which read and write
+  OIQ caches once ``oiq_mlx`` is imported;
+- ``load``, ``load_model``, ``resolve_model``, ``demo_model_path``, ``gemma3_model_path``,
+  ``default_text``: models (GGUF offline) and the bundled text;
+- ``install()``: route mlx-lm's attention to OIQ caches (done on import).
+
+Everything else lives in its layer: ``oiq_mlx.core`` (rotation, codec, config), ``oiq_mlx.kernels``
+(Metal), ``oiq_mlx.cache``, ``oiq_mlx.mlx_lm`` (what touches mlx-lm), ``oiq_mlx.eval``,
+``oiq_mlx.bench``, ``oiq_mlx.cli``.
 """
 
-
-from ._platform import preload_openblas  # noqa: E402
+# first of all MLX users: on Linux this loads OpenBLAS before mlx.core (DESIGN.md)
+from .core.platform import preload_openblas
 
 preload_openblas()
 
-from .codec import (  # noqa: E402
-    SUPPORTED_BITS,
-    SUPPORTED_GROUP_SIZES,
-    bytes_per_token,
-    dequantize,
-    pack_codes,
-    quantize,
-    unpack_codes,
-)
-from .rotation import hadamard_block_size, is_rotatable, random_signs, rotate, rotation_matrix, unrotate  # noqa: E402
-from .config import OIQConfig  # noqa: E402
-from .cache import OIQKVCache  # noqa: E402
-from .attention import oiq_attention  # noqa: E402
-from .integration import end_prefill, install, make_oiq_cache  # noqa: E402
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache  # noqa: E402
+
+from .cache import BatchOIQKVCache, OIQKVCache  # noqa: E402
+from .core.config import OIQConfig  # noqa: E402
+from .core.version import __version__  # noqa: E402
+from .mlx_lm.caches import end_prefill, kv_memory, make_oiq_cache  # noqa: E402
+from .mlx_lm.models import default_text, demo_model_path, gemma3_model_path, load, load_model, resolve_model  # noqa: E402
+from .mlx_lm.routing import install  # noqa: E402
 
 # load_prompt_cache must find OIQKVCache, and hand-built OIQ caches must reach OIQ attention,
 # without the user calling anything first
 install()
 
-from .models import default_text, demo_model_path, gemma3_model_path, load, load_model, resolve_model  # noqa: E402
-
-__version__ = "0.1.0"
-
 __all__ = [
+    "BatchOIQKVCache",
     "OIQConfig",
     "OIQKVCache",
+    "__version__",
     "default_text",
-    "end_prefill",
     "demo_model_path",
+    "end_prefill",
     "gemma3_model_path",
     "install",
+    "kv_memory",
     "load",
     "load_model",
-    "resolve_model",
+    "load_prompt_cache",
     "make_oiq_cache",
-    "oiq_attention",
-    "SUPPORTED_BITS",
-    "SUPPORTED_GROUP_SIZES",
-    "bytes_per_token",
-    "dequantize",
-    "hadamard_block_size",
-    "is_rotatable",
-    "pack_codes",
-    "quantize",
-    "random_signs",
-    "rotate",
-    "rotation_matrix",
-    "unpack_codes",
-    "unrotate",
+    "resolve_model",
+    "save_prompt_cache",
 ]

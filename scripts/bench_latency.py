@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         import oiq_mlx  # noqa: F401
     import mlx.core as mx
 
-    from oiq_mlx import benchmark as bench
+    from oiq_mlx.bench import latency as bench
 
     if args.cpu:
         mx.set_default_device(mx.cpu)
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     if args.mode in ("both", "model"):
         from mlx.utils import tree_flatten
 
-        from oiq_mlx.models import demo_model_path, load
+        from oiq_mlx.mlx_lm.models import demo_model_path, load
 
         path = demo_model_path() if args.model == "demo" else args.model
         print(f"bench: loading {path}", file=sys.stderr, flush=True)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     hq, hkv, d = (int(x) for x in args.attn_shape.split(","))
     result["dispatch_counts"] = bench.dispatch_counts(specs, n_q_heads=hq, n_kv_heads=hkv, head_dim=d)
     print(f"## Dispatches per layer per decode step: one layer, B=1, {hq} query heads, {hkv} KV heads, d={d}, "
-          "2048 tokens, 32 steps (oiq_mlx.trace; views not counted; Metal kernels counted off a Mac)\n")
+          "2048 tokens, 32 steps (oiq_mlx.bench.trace; views not counted; Metal kernels counted off a Mac)\n")
     print(bench.dispatch_table(result["dispatch_counts"]) + "\n", flush=True)
     bench.save_json(result, args.json)
     print(f"bench: wrote {args.json}", file=sys.stderr)

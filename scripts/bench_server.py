@@ -2,7 +2,7 @@
 """oiq-server under concurrent load: full precision vs mlx-lm --kv-bits vs OIQ presets.
 
 Every cache configuration is served by the same code path (``python -m
-oiq_mlx.server`` on 127.0.0.1, one process per configuration): ``fp`` is
+oiq_mlx.cli.server`` on 127.0.0.1, one process per configuration): ``fp`` is
 mlx-lm's batched full-precision server (``--no-oiq``), ``mlx:4`` mlx-lm's
 quantized cache (``--no-oiq --kv-bits 4``, which mlx-lm serves one request at
 a time), ``preset:4bit`` / ``preset:3bit[window=32]`` OIQ.  For each number of
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", help="demo, gemma3, a .gguf path or an mlx-lm model id (default demo)")
     parser.add_argument("--caches", default="fp,mlx:4,preset:4bit,preset:3bit",
-                        help="comma-separated cache configurations, any name oiq_mlx.specs.parse_spec reads "
+                        help="comma-separated cache configurations, any name oiq_mlx.eval.specs.parse_spec reads "
                              "(the registry eval_quality.py, bench_latency.py and fidelity_sweep.py share): fp, "
                              "mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...], oiq-4, ... "
                              "(default fp,mlx:4,preset:4bit,preset:3bit)")
@@ -55,8 +55,8 @@ def main(argv=None) -> int:
         args.memory_lengths = "4k"
 
     import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core)
-    from oiq_mlx import server_bench
-    from oiq_mlx.specs import split_spec_list
+    from oiq_mlx.bench import server as server_bench
+    from oiq_mlx.eval.specs import split_spec_list
 
     specs = split_spec_list(args.caches)
     try:

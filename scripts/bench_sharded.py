@@ -3,7 +3,7 @@
 full precision vs OIQ presets, one process vs tensor- and pipeline-parallel.
 
 Run it under mlx.launch; every rank runs this script. For each sharding, all
-ranks run oiq_mlx.benchmark.run_model on their shard (decode steps of every
+ranks run oiq_mlx.bench.latency.run_model on their shard (decode steps of every
 cache configuration interleaved); then rank 0 runs the unsharded model alone
 (the other ranks wait at a barrier) for the one-process column. Rank 0 prints
 a markdown table (decode ms/token median, KV MiB held per rank) and writes the
@@ -55,9 +55,9 @@ def main(argv=None) -> int:
         import oiq_mlx  # noqa: F401
     import mlx.core as mx
 
-    from oiq_mlx import benchmark as bench
-    from oiq_mlx import distributed
-    from oiq_mlx.models import load
+    from oiq_mlx.bench import latency as bench
+    from oiq_mlx.bench import sharded
+    from oiq_mlx.mlx_lm.models import load
 
     group = mx.distributed.init()
     shardings = [s.strip() for s in args.sharding.split(",") if s.strip()]
@@ -68,10 +68,10 @@ def main(argv=None) -> int:
         layers, hidden, heads, kv_heads, mlp = _ints(args.shape)
 
         def load_model():
-            return distributed.random_model("qwen2", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
+            return sharded.random_model("qwen2", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,
                                             intermediate=mlp)
 
-        tokenizer = distributed.ByteTokenizer()
+        tokenizer = sharded.ByteTokenizer()
     else:
         first = {}
 
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         print("bench_sharded: one rank; run it under mlx.launch -n 2 (or --hostfile) to shard", file=sys.stderr)
         return 2
     try:
-        records = distributed.bench_sharded(load_model, tokenizer, group, shardings=shardings, specs=specs,
+        records = sharded.bench_sharded(load_model, tokenizer, group, shardings=shardings, specs=specs,
                                             contexts=contexts, decode_steps=steps, warmup=args.warmup,
                                             prefill_chunk=args.prefill_chunk, baseline=not args.no_baseline)
     except ValueError as e:  # the model cannot be sharded so: every rank stops here, before any collective
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
                                "specs": [bench.describe(s) for s in specs]},
                   "runs": records}
         print(f"## {args.model} over {group.size()} ranks, backend {env['backend']}\n")
-        print(distributed.sharded_table(records) + "\n", flush=True)
+        print(sharded.sharded_table(records) + "\n", flush=True)
         bench.save_json(result, args.json)
         print(f"bench_sharded: wrote {args.json}", file=sys.stderr)
     return 0

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
     import oiq_mlx  # noqa: F401  (platform setup before mlx.core)
-    from oiq_mlx.kernels.check import MetalUnavailable, report, require_metal, run_all
+    from oiq_mlx.bench.metal_check import MetalUnavailable, report, require_metal, run_all
 
     try:
         require_metal()

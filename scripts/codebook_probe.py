@@ -28,16 +28,17 @@ import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
-from oiq_mlx import evaluation as ev
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.codec import dequantize, quantize
-from oiq_mlx.config import OIQConfig
+from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.mlx_lm.routing import capture_attention_inputs
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.core.codec import dequantize, quantize
+from oiq_mlx.core.config import OIQConfig
 
 
 def packed_domain(model, ids, config):
     """Per side, the (n, group_size) groups the cache would quantize for ``ids``."""
     out = {"keys": [], "values": []}
-    for r in ev.capture_attention_inputs(model, ids):
+    for r in capture_attention_inputs(model, ids):
         if r["layer"] is None or r["cache_type"] != "KVCache":
             continue
         c = OIQKVCache(config, layer_idx=r["layer"])

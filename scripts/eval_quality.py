@@ -2,7 +2,7 @@
 top-1 agreement through the real cache path, needle-in-a-haystack retrieval,
 per-layer attention fidelity and key outlier statistics.
 
-Thin front end over ``oiq_mlx.evaluation``.  On the CPU backend the model runs
+Thin front end over ``oiq_mlx.eval.evaluation``.  On the CPU backend the model runs
 in fp32 (the GGUF loader dequantizes weights); the "fp" reference is mlx-lm's
 plain KVCache at the model dtype, and bytes are reported fp16-equivalent.
 
@@ -22,8 +22,8 @@ import os
 import sys
 
 # importing oiq_mlx (first of all MLX users) preloads OpenBLAS on Linux
-from oiq_mlx import evaluation as ev
-from oiq_mlx.specs import split_spec_list
+from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.eval.specs import split_spec_list
 
 
 def _ints(text):

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Fidelity frontier: perplexity / KL / top-1 of KV caches against the
-full-precision cache, with the bytes each spends per token (oiq_mlx.fidelity).
+full-precision cache, with the bytes each spends per token (oiq_mlx.eval.sweep).
 
-Caches: registry names of oiq_mlx.evaluation (fp, mlx-q4-g64, oiq-4, ...),
+Caches: registry names of oiq_mlx.eval.evaluation (fp, mlx-q4-g64, oiq-4, ...),
 oiq[field=value,...], mlx:BITS[:GROUP] (mlx-lm affine QuantizedKVCache),
 preset:NAME or preset:NAME[field=value,...] (layer_bits=auto or auto:BUDGET in the brackets:
 per-layer bits calibrated on each window's prompt, printed under the table).  The fp reference always runs.
@@ -22,8 +22,9 @@ import sys
 import time
 
 import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
-from oiq_mlx import evaluation, fidelity
-from oiq_mlx.config import layer_bits_text
+from oiq_mlx.eval import evaluation
+from oiq_mlx.eval import sweep as fidelity
+from oiq_mlx.core.config import layer_bits_text
 
 
 def main(argv=None):

@@ -9,7 +9,7 @@ miss where fp itself barely chose the digits is marked a coin flip.  With
 packed cache after fp's own prefill, and the chunked prefill's keys and values
 (computed by layers that read earlier chunks packed) read exactly.
 
-Thin front end over ``oiq_mlx.evaluation.needle_stats``.  Answers are greedy,
+Thin front end over ``oiq_mlx.eval.evaluation.needle_stats``.  Answers are greedy,
 through ``mlx_lm.generate_step`` as in ``mlx_lm.generate``: the prompt but its
 last token is prefilled in chunks of --prefill-step-size (mlx-lm's 2048), the
 last token is a one-token step, so the answer reads the cache as stored.
@@ -31,8 +31,8 @@ import sys
 from pathlib import Path
 
 # importing oiq_mlx (first of all MLX users) preloads OpenBLAS on Linux
-from oiq_mlx import evaluation as ev
-from oiq_mlx.specs import split_spec_list
+from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.eval.specs import split_spec_list
 
 FULL = {"lengths": (2048, 4096, 8000), "depths": (0.0, 0.25, 0.5, 0.75, 1.0), "trials": 12,
         "caches": ("fp", "oiq-4", "oiq-3")}

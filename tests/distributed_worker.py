@@ -1,4 +1,4 @@
-"""One rank of a loopback test of oiq_mlx.distributed (run by mlx.launch from
+"""One rank of a loopback test of oiq_mlx.mlx_lm.sharding (run by mlx.launch from
 tests/test_distributed.py; not a test module itself).
 
 Every rank builds the same seeded random-weight model twice: one copy runs
@@ -22,8 +22,9 @@ from mlx_lm.models import qwen2, qwen3
 from mlx_lm.models.cache import save_prompt_cache
 
 from helpers import tiny_llama
-from oiq_mlx import OIQConfig, distributed, make_oiq_cache
-from oiq_mlx.cache import OIQKVCache
+from oiq_mlx import OIQConfig, make_oiq_cache
+from oiq_mlx.mlx_lm import sharding as distributed
+from oiq_mlx.cache.sequence import OIQKVCache
 
 PROMPT_TOKENS = 40
 PREFILL_STEP = 16  # several prefill chunks: under pipeline only the caches are evaluated then

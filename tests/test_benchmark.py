@@ -17,9 +17,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from oiq_mlx import benchmark as bench
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.config import OIQConfig
+from oiq_mlx.bench import latency as bench
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.core.config import OIQConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM = 2, 4, 2, 64

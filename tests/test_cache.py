@@ -11,12 +11,13 @@ from helpers import reference_attention, tiny_gemma3, tiny_llama
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from oiq_mlx import attention, integration
-from oiq_mlx.attention import oiq_attention
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.codec import bytes_per_token, quantize
-from oiq_mlx.config import OIQConfig
-from oiq_mlx.integration import end_prefill, make_oiq_cache
+from oiq_mlx.cache import attention
+from oiq_mlx.mlx_lm import caches, routing
+from oiq_mlx.cache.attention import oiq_attention
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.core.codec import bytes_per_token, quantize
+from oiq_mlx.core.config import OIQConfig
+from oiq_mlx.mlx_lm.caches import end_prefill, make_oiq_cache
 
 
 def _feed(cache, chunks, B, n_kv, d, n_q, seed=0, dv=None):
@@ -477,7 +478,7 @@ def test_sliding_window_layers_keep_rotating_cache():
         cache = make_oiq_cache(model, OIQConfig(k_bits=8, v_bits=8))
     assert [type(c) for c in cache] == [RotatingKVCache, RotatingKVCache, OIQKVCache]
     assert any("2 x RotatingKVCache" in str(x.message) for x in w)
-    assert integration.oiq_layer_indices(model) == [cache[2].layer_idx] == [2]
+    assert caches.oiq_layer_indices(model) == [cache[2].layer_idx] == [2]
     with warnings.catch_warnings(), pytest.raises(ValueError, match=r"layer_bits names layers \[0\] that do not use "
                                                                   r"OIQ in this model \(its OIQ layers: \[2\]\)"):
         warnings.simplefilter("ignore")
@@ -491,12 +492,12 @@ def test_sliding_window_layers_keep_rotating_cache():
 def test_routing_is_idempotent_and_leaves_other_caches_alone():
     model = tiny_llama()
     make_oiq_cache(model)
-    assert integration.install() == 0
+    assert routing.install() == 0
     import mlx_lm.models.base as base
     import mlx_lm.models.llama as llama_mod
 
-    assert base.scaled_dot_product_attention is integration.scaled_dot_product_attention
-    assert llama_mod.scaled_dot_product_attention is integration.scaled_dot_product_attention
+    assert base.scaled_dot_product_attention is routing.scaled_dot_product_attention
+    assert llama_mod.scaled_dot_product_attention is routing.scaled_dot_product_attention
     q = mx.random.normal((1, 4, 3, 64), key=mx.random.key(1))
     k = mx.random.normal((1, 2, 5, 64), key=mx.random.key(2))
     v = mx.random.normal((1, 2, 5, 64), key=mx.random.key(3))

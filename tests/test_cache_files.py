@@ -11,10 +11,11 @@ import pytest
 from helpers import tiny_llama
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-from oiq_mlx.cache import FORMAT_VERSION, OIQKVCache, _digest
-from oiq_mlx.config import OIQConfig
-from oiq_mlx.integration import make_oiq_cache
-from oiq_mlx.rotation import rotate
+from oiq_mlx.cache.files import FORMAT_VERSION, digest
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.core.config import OIQConfig
+from oiq_mlx.mlx_lm.caches import make_oiq_cache
+from oiq_mlx.core.rotation import rotate
 
 # every array present (key mean and scales, value mean), clipped scales, layer 1 at other bits
 CFG = OIQConfig(k_bits=3, v_bits=4, sink_tokens=3, window=6, trim_reserve=4, center_values=True, clip=True,
@@ -59,7 +60,7 @@ def _meta(arrays, layer=0) -> dict:
 
 def _with_meta(arrays, meta: dict, layer=0, redigest=False) -> dict:
     if redigest and "digest" in meta:
-        meta = {**meta, "digest": _digest(meta)}
+        meta = {**meta, "digest": digest(meta)}
     return {**arrays, f"{layer}.14": mx.array([ord(c) for c in json.dumps(meta)], mx.int32)}
 
 
@@ -251,7 +252,7 @@ def test_unmodified_and_legacy_files_load(saved, tmp_path):
     for layer in (0, 1):
         meta = _meta(arrays, layer)
         legacy = _as_format_1(legacy, layer, {k: v for k, v in meta.items() if k not in ("format", "digest")})
-        format_1 = _as_format_1(format_1, layer, {**meta, "format": 1, "digest": _digest({**meta, "format": 1})})
+        format_1 = _as_format_1(format_1, layer, {**meta, "format": 1, "digest": digest({**meta, "format": 1})})
     for converted in (legacy, format_1):
         got = _continue(model, load_prompt_cache(_write(tmp_path, converted, metadata)))
         for a, b in zip(got, reference):

@@ -40,10 +40,10 @@ def demo():
 def test_cached_document_answers_like_the_whole_prompt(demo, tmp_path):
     """Full-precision cache: the cached prefix + continued prompt equals one whole prompt."""
     path = tmp_path / "doc.safetensors"
-    r = _run("oiq_mlx.cache_prompt", "--no-oiq", "--prompt-cache-file", str(path), "--prompt", "-", stdin=DOCUMENT)
+    r = _run("oiq_mlx.cli.cache_prompt", "--no-oiq", "--prompt-cache-file", str(path), "--prompt", "-", stdin=DOCUMENT)
     assert r.returncode == 0, r.stderr
-    cached = _run("oiq_mlx.cli", "--prompt-cache-file", str(path), "-p", QUESTION, "-m", "12", "--no-oiq")
-    whole = _run("oiq_mlx.cli", "-p", DOCUMENT + QUESTION, "-m", "12", "--no-oiq")
+    cached = _run("oiq_mlx.cli.generate", "--prompt-cache-file", str(path), "-p", QUESTION, "-m", "12", "--no-oiq")
+    whole = _run("oiq_mlx.cli.generate", "-p", DOCUMENT + QUESTION, "-m", "12", "--no-oiq")
     assert cached.returncode == 0 and whole.returncode == 0, cached.stderr + whole.stderr
     assert "Martha" in whole.stdout, whole.stdout
     assert cached.stdout == whole.stdout
@@ -56,7 +56,7 @@ def test_cached_document_answers_like_the_whole_prompt(demo, tmp_path):
 @pytest.mark.slow
 def test_oiq_cache_file_keeps_its_config_and_answers(demo, tmp_path):
     path = tmp_path / "doc3.safetensors"
-    r = _run("oiq_mlx.cache_prompt", "--model", "demo", "--k-bits", "3", "--window", "16",
+    r = _run("oiq_mlx.cli.cache_prompt", "--model", "demo", "--k-bits", "3", "--window", "16",
              "--prompt-cache-file", str(path), "--prompt", DOCUMENT)
     assert r.returncode == 0, r.stderr
     assert "KV cache (OIQ K3V3 g32): " in r.stderr
@@ -68,7 +68,7 @@ def test_oiq_cache_file_keeps_its_config_and_answers(demo, tmp_path):
     assert cache[0].q_end > cache[0].config.sink_tokens and not any(c.prefilling for c in cache)
     n_doc = cache[0].offset
 
-    answer = _run("oiq_mlx.cli", "--prompt-cache-file", str(path), "-p", QUESTION, "-m", "12")
+    answer = _run("oiq_mlx.cli.generate", "--prompt-cache-file", str(path), "-p", QUESTION, "-m", "12")
     assert answer.returncode == 0, answer.stderr
     assert "Martha" in answer.stdout, answer.stdout
     n_question = int(answer.stderr.split("Prompt: ")[1].split(" tokens")[0])
@@ -83,15 +83,15 @@ def test_oiq_cache_file_keeps_its_config_and_answers(demo, tmp_path):
         (["--no-oiq"], "--no-oiq does not match the OIQ cache"),
         (["--model", "gemma3"], "is not the model the prompt cache was made with (demo)"),
     ):
-        r = _run("oiq_mlx.cli", "--prompt-cache-file", str(path), "-p", QUESTION, *args)
+        r = _run("oiq_mlx.cli.generate", "--prompt-cache-file", str(path), "-p", QUESTION, *args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert message in r.stderr, r.stderr
 
 
 def test_cache_prompt_bad_input_fails_cleanly(tmp_path):
-    r = _run("oiq_mlx.cache_prompt", "--prompt-cache-file", str(tmp_path / "x.npz"), "--prompt", "hi")
+    r = _run("oiq_mlx.cli.cache_prompt", "--prompt-cache-file", str(tmp_path / "x.npz"), "--prompt", "hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert "oiq-cache-prompt: error: --prompt-cache-file must end in .safetensors" in r.stderr
-    r = _run("oiq_mlx.cache_prompt", "--prompt-cache-file", str(tmp_path / "x.safetensors"), "--prompt", "hi",
+    r = _run("oiq_mlx.cli.cache_prompt", "--prompt-cache-file", str(tmp_path / "x.safetensors"), "--prompt", "hi",
              "--model", "gemma")
     assert r.returncode == 2 and "oiq-cache-prompt: error: unknown model 'gemma' (did you mean 'gemma3'?)" in r.stderr

@@ -1,4 +1,4 @@
-"""Per-layer bits calibrated on the prompt (oiq_mlx.calibrate), the
+"""Per-layer bits calibrated on the prompt (oiq_mlx.mlx_lm.calibrate), the
 ``layer_bits=auto`` spec, the evaluation/sweep path and ``oiq-generate --layer-bits auto``."""
 
 import dataclasses
@@ -11,11 +11,19 @@ import mlx.core as mx
 import pytest
 from helpers import demo_path_or_skip, tiny_gemma3, tiny_llama
 
-from oiq_mlx import OIQConfig, fidelity
-from oiq_mlx.calibrate import allocate, calibrate_layer_bits, default_choices, layer_errors, min_tokens, parse_auto
-from oiq_mlx.evaluation import perplexity_eval
-from oiq_mlx.integration import model_head_dim, oiq_layer_indices
-from oiq_mlx.specs import parse_spec
+from oiq_mlx import OIQConfig
+from oiq_mlx.eval import sweep as fidelity
+from oiq_mlx.mlx_lm.calibrate import (
+    allocate,
+    calibrate_layer_bits,
+    default_choices,
+    layer_errors,
+    min_tokens,
+    parse_auto,
+)
+from oiq_mlx.eval.evaluation import perplexity_eval
+from oiq_mlx.mlx_lm.caches import model_head_dim, oiq_layer_indices
+from oiq_mlx.eval.specs import parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(window=8, sink_tokens=2)  # min_tokens: 2 * (2 + 8 + 16) = 52
@@ -198,7 +206,7 @@ def test_sweep_calibrates_each_window():
 
 
 def _cli(*args):
-    r = subprocess.run([sys.executable, "-m", "oiq_mlx.cli", *args], capture_output=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "oiq_mlx.cli.generate", *args], capture_output=True, cwd=ROOT)
     return r.returncode, r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace")
 
 
@@ -210,7 +218,8 @@ def test_cli_auto_refusals_before_loading_a_model():
 
 
 def test_cli_config_keeps_auto_out_of_the_config():
-    from oiq_mlx.cli import build_parser, config_from_args
+    from oiq_mlx.cli.generate import build_parser
+    from oiq_mlx.cli.options import config_from_args
 
     args = build_parser().parse_args(["--preset", "2bit", "--layer-bits", "auto:44"])
     assert parse_auto(args.layer_bits) == (True, 44.0)

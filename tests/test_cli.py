@@ -10,8 +10,9 @@ import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from helpers import demo_path_or_skip, write_tiny_gguf
-from oiq_mlx import OIQConfig, OIQKVCache, models
-from oiq_mlx.cli import memory_line, run
+from oiq_mlx import OIQConfig, OIQKVCache
+from oiq_mlx.mlx_lm import models
+from oiq_mlx.cli.options import memory_line, run
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,7 +22,7 @@ def _cli(*args, stdin=None):
     if isinstance(stdin, str):
         stdin = stdin.encode("utf-8")
     r = subprocess.run(
-        [sys.executable, "-m", "oiq_mlx.cli", *args], capture_output=True, cwd=ROOT, input=stdin
+        [sys.executable, "-m", "oiq_mlx.cli.generate", *args], capture_output=True, cwd=ROOT, input=stdin
     )
     r.stdout, r.stderr = r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace")
     return r
@@ -172,7 +173,8 @@ def test_gemma3_gets_its_chat_template():
 
 def test_options_build_the_config():
     from oiq_mlx import OIQConfig
-    from oiq_mlx.cli import build_parser, config_from_args
+    from oiq_mlx.cli.generate import build_parser
+    from oiq_mlx.cli.options import config_from_args
 
     parse = build_parser().parse_args
     assert config_from_args(parse([])) == OIQConfig()
@@ -198,7 +200,7 @@ def test_scripts_create_the_json_folder_before_running(tmp_path):
 
 
 def test_cache_label_names_bits_layers_and_positional():
-    from oiq_mlx.cli import cache_label
+    from oiq_mlx.cli.options import cache_label
 
     assert cache_label([KVCache()]) == "full precision"
     assert cache_label([OIQKVCache(OIQConfig.preset("3bit"))]) == "OIQ K3V3 g32"

@@ -4,8 +4,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from oiq_mlx import codec
-from oiq_mlx.codec import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, bytes_per_token, dequantize, join_rows, quantize
+from oiq_mlx.core import codec
+from oiq_mlx.core.codec import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, bytes_per_token, dequantize, join_rows, quantize
 
 COMBOS = [(b, g) for b in SUPPORTED_BITS for g in SUPPORTED_GROUP_SIZES]
 

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 from transformers.utils import chat_template_utils
 
-from oiq_mlx.gguf import GEMMA_CHAT_TEMPLATE
+from oiq_mlx.mlx_lm.gguf import GEMMA_CHAT_TEMPLATE
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
 

@@ -1,13 +1,13 @@
-"""Dispatches per layer per decode step (oiq_mlx.trace): the reference path against mlx-lm's caches,
+"""Dispatches per layer per decode step (oiq_mlx.bench.trace): the reference path against mlx-lm's caches,
 and the path with the Metal kernels selected, counted with a recording launcher."""
 
 import mlx.core as mx
 import pytest
 
-from oiq_mlx import benchmark as bench
-from oiq_mlx import trace
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.config import OIQConfig
+from oiq_mlx.bench import latency as bench
+from oiq_mlx.bench import trace
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.core.config import OIQConfig
 
 SHAPE = dict(n_q_heads=8, n_kv_heads=2, head_dim=64, context=300)
 # two packed blocks (OIQKVCache.flush_block) per run, so the mean includes what packing costs
@@ -105,10 +105,10 @@ def test_metal_path_dispatches(preset, dtype):
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference", "metal"])
 def test_stacked_batch_step_dispatches_do_not_grow_with_the_batch(kernels):
-    """One decode step of a batch over stacked storage (oiq_mlx.stacked) launches as much for
+    """One decode step of a batch over stacked storage (oiq_mlx.cache.stacked) launches as much for
     eight sequences of different lengths as for one; on the Metal path (traced, unverified on
     hardware) that is the centering, the window write, the attention and merge kernels."""
-    from oiq_mlx.attention import oiq_batch_attention
+    from oiq_mlx.cache.attention import oiq_batch_attention
 
     cfg = OIQConfig.preset("4bit")
     H, d = 2, 64

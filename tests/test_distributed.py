@@ -1,4 +1,4 @@
-"""OIQ caches on a sharded model (oiq_mlx.distributed).
+"""OIQ caches on a sharded model (oiq_mlx.mlx_lm.sharding).
 
 In-process: a cache of a slice of the KV heads stores exactly that slice of
 the unsharded cache; layouts, layer numbering and the errors of shard_model
@@ -27,9 +27,10 @@ from mlx_lm.utils import load_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from helpers import tiny_gemma3, tiny_llama
-from oiq_mlx import OIQConfig, OIQKVCache, distributed
-from oiq_mlx.integration import make_oiq_cache
-from oiq_mlx.server_bench import ServerProcess, complete
+from oiq_mlx import OIQConfig, OIQKVCache
+from oiq_mlx.mlx_lm import sharding as distributed
+from oiq_mlx.mlx_lm.caches import make_oiq_cache
+from oiq_mlx.bench.server import ServerProcess, complete
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
@@ -345,7 +346,7 @@ def _generated(stdout: str) -> str:
 @pytest.fixture(scope="module")
 def one_process(qwen2_folder):
     """oiq-generate's run of CLI_ARGS in one process: the reference."""
-    one = subprocess.run([sys.executable, "-m", "oiq_mlx.cli", "--model", str(qwen2_folder), *CLI_ARGS],
+    one = subprocess.run([sys.executable, "-m", "oiq_mlx.cli.generate", "--model", str(qwen2_folder), *CLI_ARGS],
                          capture_output=True, text=True, cwd=ROOT, timeout=LAUNCH_TIMEOUT_S)
     assert one.returncode == 0, one.stderr
     return one
@@ -357,7 +358,7 @@ def test_oiq_generate_on_two_ranks_prints_the_single_process_text_once(qwen2_fol
     one = one_process
     text = _generated(one.stdout)
     assert len(set(text)) > 3, text  # the random model does not repeat one token
-    _, out, err = launch("-m", "oiq_mlx.cli", "--model", str(qwen2_folder), "--sharding", sharding, *CLI_ARGS,
+    _, out, err = launch("-m", "oiq_mlx.cli.generate", "--model", str(qwen2_folder), "--sharding", sharding, *CLI_ARGS,
                          cwd=ROOT)
     assert _generated(out) == text, err  # rank 0 alone printed, and the same text
     assert err.count("Generation: 12 tokens") == 1, err
@@ -375,7 +376,7 @@ def test_oiq_generate_on_two_ranks_prints_the_single_process_text_once(qwen2_fol
 @loopback
 def test_oiq_generate_on_two_ranks_refuses_a_model_whose_heads_do_not_divide(tmp_path):
     folder = write_model_folder(tmp_path / "llama3kv", "llama", n_kv_heads=3)
-    _, out, err = launch("-m", "oiq_mlx.cli", "--model", str(folder), "--prompt", "hi", cwd=ROOT)
+    _, out, err = launch("-m", "oiq_mlx.cli.generate", "--model", str(folder), "--prompt", "hi", cwd=ROOT)
     message = f"oiq-generate: error: {folder} (llama) has 6 query and 3 KV heads, which do not divide over 2 ranks"
     assert err.count(message) == 1, err  # from rank 0 only
     assert "Traceback" not in err and out.strip() == ""

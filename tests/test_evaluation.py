@@ -1,4 +1,4 @@
-"""Tests of oiq_mlx.evaluation on tiny random-weight llama models (one slow smoke
+"""Tests of oiq_mlx.eval.evaluation on tiny random-weight llama models (one slow smoke
 test on the real SmolLM2).  conftest.py imports oiq_mlx before mlx."""
 
 import math
@@ -12,9 +12,11 @@ import pytest
 from mlx_lm.models import llama
 
 from helpers import CharTokenizer
-from oiq_mlx import evaluation as ev
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.specs import parse_spec, split_spec_list
+from oiq_mlx.core import metrics
+from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.mlx_lm.routing import capture_attention_inputs
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.eval.specs import parse_spec, split_spec_list
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBED_SCALE = 4.0
@@ -44,14 +46,14 @@ def test_kl_of_known_distributions():
     p = mx.array([[0.5, 0.5]])
     q = mx.array([[0.9, 0.1]])
     expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
-    got = ev.kl_divergence(mx.log(p), mx.log(q)).item()
+    got = metrics.kl_divergence(mx.log(p), mx.log(q)).item()
     assert abs(got - expected) < 1e-6
-    assert ev.kl_divergence(mx.log(q), mx.log(q)).item() == 0.0
+    assert metrics.kl_divergence(mx.log(q), mx.log(q)).item() == 0.0
 
 
 def test_log_softmax_normalises():
     logits = mx.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]])
-    lp = ev.log_softmax(logits)
+    lp = metrics.log_softmax(logits)
     assert np.allclose(np.exp(np.array(lp)).sum(-1), 1.0, atol=1e-6)
     assert abs(lp[1, 0].item() - math.log(1 / 3)) < 1e-6
 
@@ -59,20 +61,20 @@ def test_log_softmax_normalises():
 def test_cosine_and_relative_error():
     a = mx.array([[1.0, 0.0], [1.0, 1.0], [0.0, 0.0]])
     b = mx.array([[0.0, 2.0], [2.0, 2.0], [0.0, 0.0]])
-    assert np.allclose(np.array(ev.cosine_rows(a, b)), [0.0, 1.0, 1.0], atol=1e-6)
-    assert ev.relative_error(a, a) == 0.0
-    assert abs(ev.relative_error(mx.array([3.0, 4.0]) * 1.1, mx.array([3.0, 4.0])) - 0.1) < 1e-6
+    assert np.allclose(np.array(metrics.cosine_rows(a, b)), [0.0, 1.0, 1.0], atol=1e-6)
+    assert metrics.relative_error(a, a) == 0.0
+    assert abs(metrics.relative_error(mx.array([3.0, 4.0]) * 1.1, mx.array([3.0, 4.0])) - 0.1) < 1e-6
 
 
 def test_gini_and_kurtosis_known_vectors():
-    assert ev.gini(np.ones(16)) == pytest.approx(0.0, abs=1e-12)
+    assert metrics.gini(np.ones(16)) == pytest.approx(0.0, abs=1e-12)
     one_hot = np.zeros(16)
     one_hot[3] = 5.0
-    assert ev.gini(one_hot) == pytest.approx(15 / 16)
-    assert ev.gini([1, 2, 3, 4]) == pytest.approx(0.25)
+    assert metrics.gini(one_hot) == pytest.approx(15 / 16)
+    assert metrics.gini([1, 2, 3, 4]) == pytest.approx(0.25)
     # kurtosis of a symmetric two-point distribution is 1, of a Gaussian 3
-    assert ev.kurtosis([-1, 1] * 50) == pytest.approx(1.0)
-    assert ev.kurtosis(np.random.default_rng(0).standard_normal(200_000)) == pytest.approx(3.0, abs=0.05)
+    assert metrics.kurtosis([-1, 1] * 50) == pytest.approx(1.0)
+    assert metrics.kurtosis(np.random.default_rng(0).standard_normal(200_000)) == pytest.approx(3.0, abs=0.05)
 
 
 def test_rotation_flattens_an_outlier_channel():
@@ -105,7 +107,7 @@ def test_perplexity_matches_single_forward_pass():
     model = tiny_llama()
     toks = _tokens(65)
     res = ev.perplexity_eval(model, toks, [ev.cache_registry()["fp"]], prompt_len=16, score_len=48, chunk=16)
-    logp = ev.log_softmax(model(mx.array(toks[:-1])[None])[0])
+    logp = metrics.log_softmax(model(mx.array(toks[:-1])[None])[0])
     nll = -np.array(logp)[np.arange(16, 64), np.array(toks[17:65])].mean()
     assert res["fp"]["ppl"] == pytest.approx(math.exp(nll), rel=1e-4)
 
@@ -157,7 +159,7 @@ def test_custom_oiq_cache_names():
 
 def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
     model = tiny_llama(layers=3)
-    records = ev.capture_attention_inputs(model, _tokens(80))
+    records = capture_attention_inputs(model, _tokens(80))
     assert [r["layer"] for r in records] == [0, 1, 2]
     assert records[0]["queries"].shape == (1, 4, 80, 32)
     q0 = np.array(records[0]["queries"])

@@ -10,7 +10,7 @@ from helpers import chunk_data, run_chunks, stored_arrays, tiny_llama
 from mlx_lm.generate import generate_step
 
 from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
-from oiq_mlx.cache import _digest
+from oiq_mlx.cache.files import digest
 
 H, D, N = 2, 64, 90
 BASE = dict(window=8, sink_tokens=2, trim_reserve=4)
@@ -104,7 +104,7 @@ def test_prefilling_flag_is_checked_on_load():
         state = list(cache.state)
         meta = json.loads(state[-1])
         meta["prefilling"] = True
-        meta["digest"] = _digest(meta)
+        meta["digest"] = digest(meta)
         return state[:-1] + [json.dumps(meta)]
 
     packed, _ = _run(OIQConfig(**BASE, exact_prefill=N), [40, 30, 1], _data(4))  # rows packed: the flag lies

@@ -1,5 +1,5 @@
 """Presets, the statistics behind centering/key scaling, the Qwen-like stand-ins
-and the fidelity sweep (oiq_mlx.fidelity), on tiny random models."""
+and the fidelity sweep (oiq_mlx.eval.sweep), on tiny random models."""
 
 import dataclasses
 
@@ -7,10 +7,12 @@ import mlx.core as mx
 import pytest
 from helpers import reference_attention, tiny_llama
 
-from oiq_mlx import evaluation, fidelity
-from oiq_mlx.attention import oiq_attention
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.config import PRESETS, OIQConfig
+from oiq_mlx.eval import evaluation
+from oiq_mlx.eval import sweep as fidelity
+from oiq_mlx.mlx_lm.routing import capture_attention_inputs
+from oiq_mlx.cache.attention import oiq_attention
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.core.config import PRESETS, OIQConfig
 
 # -- presets --------------------------------------------------------------------------
 
@@ -89,7 +91,7 @@ def test_low_frequency_channels():
 def test_add_key_bias_makes_outlier_channels():
     model = tiny_llama(head_dim=64, n_heads=4, n_kv_heads=2, layers=1)
     channels = fidelity.add_key_bias(model, ratio=25.0, n_pairs=2)
-    recs = evaluation.capture_attention_inputs(model, list(range(64)))
+    recs = capture_attention_inputs(model, list(range(64)))
     k = recs[0]["keys"][0]  # (H, L, d), post-RoPE
     rms = mx.sqrt(mx.mean(k * k, axis=1))
     ratio = mx.max(rms[:, mx.array(channels)], axis=-1) / mx.sort(rms, axis=-1)[:, 32]
@@ -100,7 +102,7 @@ def test_add_key_bias_makes_outlier_channels():
 def qwen2_fidelity():
     model = fidelity.tiny_qwen2(bias_ratio=25.0)
     ids = mx.random.randint(0, 256, (384,), key=mx.random.key(1)).tolist()
-    recs = evaluation.capture_attention_inputs(model, ids)
+    recs = capture_attention_inputs(model, ids)
     specs = [fidelity.parse_spec(s) for s in ("oiq-plain-4", "mlx:4", "preset:4bit", "oiq-plain-3", "preset:3bit",
                                               "oiq-plain-2", "preset:2bit")]
     return {n: r["cos_mean"] for n, r in evaluation.attention_fidelity(model, None, specs, records=recs).items()}

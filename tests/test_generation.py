@@ -13,7 +13,8 @@ import pytest
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from oiq_mlx import OIQConfig, make_oiq_cache, models
+from oiq_mlx import OIQConfig, make_oiq_cache
+from oiq_mlx.mlx_lm import models
 
 PROMPT, SCORED, CHUNK = 256, 512, 8
 

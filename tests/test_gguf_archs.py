@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_map
 
-from oiq_mlx import models
-from oiq_mlx.gguf import GGUFError
+from oiq_mlx.mlx_lm import models
+from oiq_mlx.mlx_lm.gguf import GGUFError
 
 # ---------------------------------------------------------------- reference: a llama.cpp-style writer
 

@@ -22,11 +22,16 @@ import numpy as np
 import pytest
 
 from metal_emu import MetalEmuError, emulator
-from oiq_mlx import attention, codec, dispatch, rotation, trace
-from oiq_mlx.cache import OIQKVCache, halves
-from oiq_mlx.config import OIQConfig
-from oiq_mlx.kernels import _launch, _source, check
-from oiq_mlx.kernels._source import SUPPORTED_DIMS
+from oiq_mlx.cache import attention
+from oiq_mlx.core import codec, rotation
+from oiq_mlx.kernels import dispatch
+from oiq_mlx.bench import trace
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.cache.common import halves
+from oiq_mlx.core.config import OIQConfig
+from oiq_mlx.kernels import launcher as _launch, source as _source
+from oiq_mlx.bench import metal_check as check
+from oiq_mlx.kernels.source import SUPPORTED_DIMS
 from oiq_mlx.kernels.decode_attention import decode_attention, fast_exp_relative_bound, query_rows_per_chunk
 from oiq_mlx.kernels.instantiations import DTYPES as KERNEL_DTYPES
 from oiq_mlx.kernels.instantiations import MASK_MODES, QUERY_ROWS, codec_params, production_instantiations
@@ -1075,9 +1080,9 @@ def test_check_metal_cases_cover_what_users_run():
 
 def test_stacked_batch_decode_through_kernels(kernels_on):
     """A decode step of sequences of different lengths over storage stacked across them
-    (oiq_mlx.stacked) is one attention + one merge launch for the whole batch, and each
+    (oiq_mlx.cache.stacked) is one attention + one merge launch for the whole batch, and each
     sequence gets what the kernels give it alone (the mask shows it only its own rows)."""
-    from oiq_mlx.attention import oiq_batch_attention
+    from oiq_mlx.cache.attention import oiq_batch_attention
 
     cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
     d, n_kv, lengths = 128, 2, (30, 75, 140)

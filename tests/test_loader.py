@@ -16,8 +16,8 @@ import mlx.nn as nn
 import pytest
 
 from helpers import write_tiny_gguf
-from oiq_mlx import models
-from oiq_mlx.gguf import GGUFError, GGUFFile, build_tokenizer, metal_available
+from oiq_mlx.mlx_lm import models
+from oiq_mlx.mlx_lm.gguf import GGUFError, GGUFFile, build_tokenizer, metal_available
 
 AUSTEN_DIR = Path(
     os.environ.get("OIQ_AUSTEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")

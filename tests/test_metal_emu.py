@@ -494,7 +494,7 @@ def test_compile_error_names_the_line():
 
 
 def test_use_emulator_patches_the_launcher(monkeypatch):
-    import oiq_mlx.kernels._launch as _launch
+    import oiq_mlx.kernels.launcher as _launch
 
     metal_emu.use_emulator(monkeypatch)
     (out,) = _launch.launch(_AXPB, inputs=[mx.zeros((4,)), mx.ones((4,)), 2.0, 4],

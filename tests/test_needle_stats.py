@@ -1,4 +1,4 @@
-"""The statistical needle harness (oiq_mlx.evaluation.needle_stats): prompts at
+"""The statistical needle harness (oiq_mlx.eval.evaluation.needle_stats): prompts at
 exact lengths and depths on any text, the paired counting, the Wilson interval
 and McNemar's test on constructed cases, the shared first prefill chunk against
 whole-prompt ``generate_step``, and the script end to end on SmolLM2."""
@@ -14,9 +14,9 @@ import pytest
 from mlx_lm.models import llama
 
 from helpers import CharTokenizer
-from oiq_mlx import evaluation as ev
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.specs import parse_spec
+from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.eval.specs import parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT_A = "It was a truth universally acknowledged. She smiled! Did he know? " * 40

@@ -8,8 +8,8 @@ from helpers import chunk_data, run_chunks, stored_arrays, tiny_llama
 from mlx_lm.generate import generate_step
 
 from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
-from oiq_mlx.attention import oiq_attention
-from oiq_mlx.cache import _parse_state
+from oiq_mlx.cache.attention import oiq_attention
+from oiq_mlx.cache.files import parse_state
 
 H, D, N = 2, 64, 90
 CONFIGS = {
@@ -130,11 +130,11 @@ def test_statistics_present_before_anything_is_packed_are_refused():
     state = list(early.state)
     state[5] = late.state[5]  # keys' mean, from a cache that has packed
     with pytest.raises(ValueError, match="nothing is packed yet"):
-        _parse_state(state)
+        parse_state(state)
     state = list(late.state)
     state[5] = None
     with pytest.raises(ValueError, match="something is packed"):
-        _parse_state(state)
+        parse_state(state)
 
 
 def test_prefix_reuse_gives_what_a_fresh_cache_gives():
@@ -165,7 +165,7 @@ def test_prefix_reuse_gives_what_a_fresh_cache_gives():
 def test_stacked_batch_decode_estimates_like_each_sequence_alone():
     """In a decoding batch stacked across sequences, a short sequence reaches its first block
     while stacked: it estimates its statistics and centers its rows as it would alone."""
-    from oiq_mlx.attention import oiq_batch_attention
+    from oiq_mlx.cache.attention import oiq_batch_attention
 
     cfg = CONFIGS["3bit-clip-scaled"]
     lengths = (3, 10, 40)

@@ -11,11 +11,12 @@ from helpers import reference_attention, tiny_gemma3, tiny_llama
 from mlx_lm.models import gemma2, plamo2
 from mlx_lm.models.cache import KVCache
 
-from oiq_mlx.attention import oiq_attention
-from oiq_mlx.cache import OIQKVCache
-from oiq_mlx.codec import dequantize, quantize
-from oiq_mlx.config import MAX_TOKENS, OIQConfig
-from oiq_mlx.integration import make_oiq_cache, unsupported_reason
+from oiq_mlx.cache.attention import oiq_attention
+from oiq_mlx.cache.sequence import OIQKVCache
+from oiq_mlx.core.codec import dequantize, quantize
+from oiq_mlx.core.config import MAX_TOKENS, OIQConfig
+from oiq_mlx.mlx_lm.caches import make_oiq_cache
+from oiq_mlx.mlx_lm.routing import unsupported_reason
 
 B, H, D, HEAD = 1, 2, 64, 1  # the bad token is in kv head 1
 # first chunk (the prompt, statistics estimated here), a second chunk, then single decode steps

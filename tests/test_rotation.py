@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from oiq_mlx import codec
-from oiq_mlx.rotation import hadamard_block_size, is_rotatable, random_signs, rotate, rotation_matrix, unrotate
+from oiq_mlx.core import codec
+from oiq_mlx.core.rotation import hadamard_block_size, is_rotatable, random_signs, rotate, rotation_matrix, unrotate
 
 # head dims used by mlx-lm models, plus block-diagonal sizes (144 -> 3x48, 176 -> 11x16)
 DIMS = [16, 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 144, 176]

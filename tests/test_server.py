@@ -16,9 +16,9 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from oiq_mlx import OIQConfig, demo_model_path, load, make_oiq_cache
-from oiq_mlx.server import build_parser, server_config
-from oiq_mlx.server import main as server_main
-from oiq_mlx.server_bench import ServerProcess, complete, request, run_clients
+from oiq_mlx.cli.server import build_parser, server_config
+from oiq_mlx.cli.server import main as server_main
+from oiq_mlx.bench.server import ServerProcess, complete, request, run_clients
 
 pytestmark = pytest.mark.slow
 

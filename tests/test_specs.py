@@ -1,4 +1,4 @@
-"""The shared registry of cache configurations (oiq_mlx.specs)."""
+"""The shared registry of cache configurations (oiq_mlx.eval.specs)."""
 
 import argparse
 
@@ -9,8 +9,8 @@ from helpers import tiny_llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from oiq_mlx import OIQConfig, OIQKVCache
-from oiq_mlx.cli import add_oiq_options, config_from_args
-from oiq_mlx.specs import Float16KVCache, cache_registry, parse_spec, split_spec_list
+from oiq_mlx.cli.options import add_oiq_options, config_from_args
+from oiq_mlx.eval.specs import Float16KVCache, cache_registry, parse_spec, split_spec_list
 
 
 def test_one_name_per_cache_across_the_scripts():

@@ -9,8 +9,8 @@ import math
 
 import mlx.core as mx
 
-from . import _launch
-from ._source import build_kernel
+from . import launcher
+from .source import build_kernel
 
 MAX_QUERY_ROWS = 8  # query rows (rep * L) sharing one read of the cache per simdgroup
 # Query rows x values per lane one simdgroup may hold: MLX's own GQA vector kernel caps rows x D/32
@@ -221,7 +221,7 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
         raise ValueError(f"{n_parts} slices of {kpp} keys: the merge reads at most {MAX_PARTS}")
     params = mx.array([n_sink, n_quant, n_recent, n_kv, rep, L, kpp, nqc, k_bits, v_bits, group_size, mode,
                        p_sink, p_quant, k_lam is not None, k_signs is not None], mx.int32)
-    part_o, part_ml = _launch.launch(
+    part_o, part_ml = launcher.launch(
         _attention_kernel(),
         inputs=[q, float(scale),
                 placeholder((1,), mx.float32) if k_lam is None else k_lam,
@@ -236,7 +236,7 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
 
     has_sinks, has_mean, unrotate = sinks is not None, v_mean is not None, v_signs is not None
     n_rows = B * n_q * L
-    (out,) = _launch.launch(
+    (out,) = launcher.launch(
         _merge_kernel(),
         inputs=[part_o, part_ml,
                 _sink_rows(sinks, B, n_q, L) if has_sinks else placeholder((1,), mx.float32),

@@ -6,8 +6,8 @@ import math
 
 import mlx.core as mx
 
-from . import _launch
-from ._source import build_kernel
+from . import launcher
+from .source import build_kernel
 
 ROWS_PER_THREADGROUP = 4
 
@@ -41,7 +41,7 @@ def dequantize(codes: mx.array, scales: mx.array, *, bits: int, group_size: int,
     if n == 0:
         return mx.zeros((*lead, d), dtype)
     rows = min(ROWS_PER_THREADGROUP, n)
-    (out,) = _launch.launch(
+    (out,) = launcher.launch(
         _kernel(),
         inputs=[codes.reshape(n, -1), scales.astype(mx.float16).reshape(n, -1), signs.astype(mx.float32),
                 1.0 / math.sqrt(d), mx.array([bits, group_size, int(unrotate)], mx.int32)],

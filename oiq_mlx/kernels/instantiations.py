@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .. import codec
-from ._source import SUPPORTED_DIMS
+from ..core import codec
+from .source import SUPPORTED_DIMS
 from .decode_attention import MAX_QUERY_ROWS, max_query_rows
 from .quantize import ROWS_PER_THREADGROUP
 

@@ -8,9 +8,9 @@ import math
 
 import mlx.core as mx
 
-from .. import codec
-from . import _launch
-from ._source import build_kernel
+from ..core import codec
+from . import launcher
+from .source import build_kernel
 
 ROWS_PER_THREADGROUP = 4
 
@@ -46,7 +46,7 @@ def _launch_quantize(x: mx.array, lam2, signs2, *, bits: int, group_size: int, r
     else:
         shapes, dtypes = [(*lead, w), (*lead, g)], [mx.uint32, mx.float16]
     rows_per_lam = 0 if lam2 is None else n // lam2.shape[0]
-    out = _launch.launch(
+    out = launcher.launch(
         _kernel(),
         inputs=[x, _constant((1.0,), (1, 1)) if lam2 is None else lam2, signs2, 1.0 / math.sqrt(d),
                 _constant(codec.CLIP_RATIOS),

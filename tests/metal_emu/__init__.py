@@ -1,6 +1,6 @@
 """CPU emulator for `mx.fast.metal_kernel` kernels (tests only).
 
-`launch(kernel, **kwargs)` is a drop-in for `oiq_mlx.kernels._launch.launch`:
+`launch(kernel, **kwargs)` is a drop-in for `oiq_mlx.kernels.launcher.launch`:
 it compiles the exact Metal text MLX generates for the call with clang against
 a shim header and runs every GPU thread as a fiber. `use_emulator(monkeypatch)`
 or the `metal_emulator` fixture routes production launches through it.
@@ -66,8 +66,8 @@ __all__ = [
 
 
 def use_emulator(monkeypatch):
-    """Make `oiq_mlx.kernels._launch.launch` run kernels on the emulator."""
-    import oiq_mlx.kernels._launch as _launch
+    """Make `oiq_mlx.kernels.launcher.launch` run kernels on the emulator."""
+    import oiq_mlx.kernels.launcher as _launch
 
     monkeypatch.setattr(_launch, "launch", launch)
     return launch

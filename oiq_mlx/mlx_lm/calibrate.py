@@ -1,7 +1,7 @@
 """Per-layer bits chosen from a calibration pass on the prompt itself.
 
 :func:`calibrate_layer_bits` runs the model once over the prompt with a
-full-precision cache (:func:`oiq_mlx.evaluation.capture_attention_inputs`),
+full-precision cache (:func:`oiq_mlx.mlx_lm.routing.capture_attention_inputs`),
 then, for every OIQ layer and every candidate ``(k_bits, v_bits)``, writes
 that layer's fp keys/values into an :class:`OIQKVCache` at those bits and
 compares its attention output over the same queries (reading the stored,
@@ -28,8 +28,12 @@ import dataclasses
 
 import mlx.core as mx
 
-from .cache import OIQKVCache
-from .config import OIQConfig
+from ..cache.attention import oiq_attention
+from ..cache.sequence import OIQKVCache
+from ..core.config import OIQConfig
+from ..core.metrics import cosine_rows
+from .caches import model_head_dim, oiq_layer_indices
+from .routing import capture_attention_inputs
 
 LADDER = (2, 3, 4, 5, 6)  # bits the default candidates move within
 
@@ -76,12 +80,8 @@ def layer_errors(model, tokens, config: OIQConfig, choices, *, records=None) -> 
     and every candidate: mean over query rows of ``1 - cosine`` between the
     layer's attention output through an OIQ cache at those bits and exact fp
     attention, on the prompt ``tokens`` (module docstring).  ``records``:
-    :func:`oiq_mlx.evaluation.capture_attention_inputs` of ``tokens``, if
+    :func:`oiq_mlx.mlx_lm.routing.capture_attention_inputs` of ``tokens``, if
     already taken."""
-    from .attention import oiq_attention
-    from .evaluation import capture_attention_inputs, cosine_rows
-    from .integration import model_head_dim, oiq_layer_indices
-
     layers = set(oiq_layer_indices(model))
     head_dim = model_head_dim(model)
     records = records if records is not None else capture_attention_inputs(model, tokens)
@@ -164,8 +164,6 @@ def calibrate_layer_bits(model, tokens, config: OIQConfig, *, budget: float | No
     no OIQ layers, a prompt shorter than :func:`min_tokens` and a budget below
     the cheapest allocation.
     """
-    from .integration import model_head_dim, oiq_layer_indices
-
     if config.layer_bits:
         raise ValueError(f"the config already has layer_bits {config.layer_bits}; calibration chooses them")
     layers = oiq_layer_indices(model)

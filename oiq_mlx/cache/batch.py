@@ -11,9 +11,9 @@ Here the batch keeps every sequence's own :class:`~oiq_mlx.cache.OIQKVCache`
 writes to each only that sequence's real rows: padding never reaches a
 sequence's storage, statistics or sinks, so each sequence is stored exactly
 as it would be if it ran alone.  Prompt chunks are written and attended per
-sequence (:func:`oiq_mlx.attention.oiq_batch_attention`, each sequence with its
+sequence (:func:`oiq_mlx.cache.attention.oiq_batch_attention`, each sequence with its
 slice of the batch mask).  Decode steps (one token per sequence) run over
-storage stacked across the sequences (:mod:`oiq_mlx.stacked`): one write and one
+storage stacked across the sequences (:mod:`oiq_mlx.cache.stacked`): one write and one
 attention pass for the whole batch, each sequence still seeing only its own
 rows; the storage goes back to the sequences' caches whenever the batch does
 anything else (a prompt chunk, ``extend``, ``trim``, a mask) or a sequence leaves
@@ -60,7 +60,7 @@ class BatchOIQKVCache(_BaseCache):
         # real tokens each sequence still has in a right-padded prompt
         # (prepare .. finalize); None outside one
         self._remaining = None
-        # while the batch decodes: its storage stacked across sequences (oiq_mlx.stacked)
+        # while the batch decodes: its storage stacked across sequences (oiq_mlx.cache.stacked)
         self.stacked = None
 
     def unstack(self):

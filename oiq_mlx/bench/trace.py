@@ -8,7 +8,7 @@ broadcasts (``VIEW_PRIMITIVES``), which launch nothing.  A ``Compiled...`` primi
 (``mx.compile``'s fused elementwise kernel) counts once.
 
 ``kernels=True`` selects the Metal kernels as on a Mac (``dispatch.kernels_enabled``) and replaces
-the launcher (``kernels._launch.launch``) by one that records each kernel call and returns
+the launcher (``kernels.launcher.launch``) by one that records each kernel call and returns
 evaluated zero placeholders: calling a kernel outside tracing raises "No Metal back-end" off a
 Mac, and the placeholders keep the kernels' inputs out of the graph; each recorded call counts
 as one dispatch.  On the reference path (``kernels=False``) the count is what the CPU backend
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from . import dispatch
-from .kernels import _launch
+from ..kernels import dispatch
+from ..kernels import launcher
 
 # "View" (a dtype reinterpretation) shares its input's buffer when the dtype narrows over a
 # contiguous last axis, the one way the cache uses it (codec.split_rows: float16 scales out of
@@ -57,12 +57,12 @@ def metal_kernels_selected(calls: list):
         mx.eval(outs)
         return outs
 
-    real_launch, real_enabled = _launch.launch, dispatch.kernels_enabled
-    _launch.launch, dispatch.kernels_enabled = counting, lambda: True
+    real_launch, real_enabled = launcher.launch, dispatch.kernels_enabled
+    launcher.launch, dispatch.kernels_enabled = counting, lambda: True
     try:
         yield calls
     finally:
-        _launch.launch, dispatch.kernels_enabled = real_launch, real_enabled
+        launcher.launch, dispatch.kernels_enabled = real_launch, real_enabled
 
 
 def step_dispatches(append, attend, *, kernels: bool = False) -> tuple[int, Counter]:

@@ -35,13 +35,14 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
-from . import __version__, trace
-from ._platform import openblas_path
-from .attention import oiq_attention
-from .cache import OIQKVCache
-from .integration import install
-from .models import default_text
-from .specs import CacheSpec, parse_spec
+from ..core.version import __version__
+from . import trace
+from ..core.platform import openblas_path
+from ..cache.attention import oiq_attention
+from ..cache.sequence import OIQKVCache
+from ..mlx_lm.routing import install
+from ..mlx_lm.models import default_text
+from ..eval.specs import CacheSpec, parse_spec
 
 MLX_QUANTIZED_KV_START = 0  # quantize from the first prefill chunk on (mlx_lm's default start is 5000)
 DEFAULT_CONTEXTS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -88,7 +89,7 @@ def default_specs(oiq_bits=(4, 3, 2), mlx_bits=(4, 8), group_size: int | None = 
     at each of ``oiq_bits`` bits per coordinate: the preset of that name
     (``OIQConfig.preset("4bit")``, K5V3 ...) where one exists, else the defaults
     with ``k_bits = v_bits`` at those bits; ``group_size`` replaces the OIQ group size and nothing else.  Named as
-    :func:`oiq_mlx.specs.parse_spec` reads them (``mlx-q4``, ``oiq-4bit``)."""
+    :func:`oiq_mlx.eval.specs.parse_spec` reads them (``mlx-q4``, ``oiq-4bit``)."""
     specs = [parse_spec("fp")] if fp else []
     specs += [parse_spec(f"mlx-q{b}") for b in mlx_bits]
     for b in oiq_bits:
@@ -364,7 +365,7 @@ def _ratio_vs_mlx(row: dict, rows: list[dict], stats: str, name: str) -> None:
 
 def dispatch_counts(specs, *, n_q_heads: int = 32, n_kv_heads: int = 8, head_dim: int = 128, context: int = 2048,
                     steps: int = 32, kernels=(False, True)) -> list[dict]:
-    """Dispatches per layer per decode step of each configuration (``oiq_mlx.trace``): the
+    """Dispatches per layer per decode step of each configuration (``oiq_mlx.bench.trace``): the
     reference path, and for OIQ the path with the Metal kernels selected (counted off a Mac)."""
     out = []
     for spec in specs:

@@ -48,12 +48,17 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from .attention import oiq_attention
-from .cache import OIQKVCache, layer_seed
-from .config import OIQConfig, layer_bits_text
-from . import __version__, _platform, models
-from .integration import end_prefill, install, model_head_dim, oiq_layer_indices
-from .rotation import random_signs, rotate
+from ..cache.attention import oiq_attention
+from ..cache.sequence import OIQKVCache
+from ..cache.common import layer_seed
+from ..core.config import OIQConfig, layer_bits_text
+from ..core.version import __version__
+from ..core.platform import openblas_path
+from ..mlx_lm import models
+from ..mlx_lm.caches import end_prefill, model_head_dim, oiq_layer_indices
+from ..core.metrics import channel_stats, cosine_rows, kl_divergence, log_softmax, relative_error
+from ..mlx_lm.routing import capture_attention_inputs, install
+from ..core.rotation import random_signs, rotate
 from .specs import CacheSpec, Float16KVCache, cache_registry, parse_spec  # noqa: F401 (cache_registry: for the scripts)
 
 DEFAULT_CACHES = (
@@ -65,73 +70,9 @@ QUICK_NEEDLE_CACHES = ("fp", "mlx-q4-g64", "oiq-4")
 
 
 def select_caches(names) -> list[CacheSpec]:
-    """Specs for ``names`` (anything :func:`oiq_mlx.specs.parse_spec` reads), ``fp`` always first."""
+    """Specs for ``names`` (anything :func:`oiq_mlx.eval.specs.parse_spec` reads), ``fp`` always first."""
     names = ["fp"] + [n for n in dict.fromkeys(names) if n != "fp"]
     return [parse_spec(n) for n in names]
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def log_softmax(logits: mx.array) -> mx.array:
-    logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def kl_divergence(logp_ref: mx.array, logp: mx.array) -> mx.array:
-    """KL(ref || q) in nats along the last axis, from log-probabilities."""
-    return mx.sum(mx.exp(logp_ref) * (logp_ref - logp), axis=-1)
-
-
-def cosine_rows(a: mx.array, b: mx.array) -> mx.array:
-    """Cosine similarity of matching vectors along the last axis (0 vs 0 counts as 1)."""
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    na, nb = mx.linalg.norm(a, axis=-1), mx.linalg.norm(b, axis=-1)
-    dot = mx.sum(a * b, axis=-1)
-    both_zero = (na == 0) & (nb == 0)
-    return mx.where(both_zero, 1.0, dot / mx.maximum(na * nb, 1e-30))
-
-
-def relative_error(approx: mx.array, exact: mx.array) -> float:
-    """``||approx - exact||_F / ||exact||_F``."""
-    exact = exact.astype(mx.float32)
-    num = mx.linalg.norm((approx.astype(mx.float32) - exact).reshape(-1))
-    den = mx.linalg.norm(exact.reshape(-1))
-    return float(num / mx.maximum(den, 1e-30))
-
-
-def gini(x) -> float:
-    """Gini coefficient of non-negative values: 0 for all equal, (n-1)/n for one non-zero."""
-    v = np.sort(np.asarray(x, dtype=np.float64).reshape(-1))
-    n, total = v.size, v.sum()
-    if n == 0 or total <= 0:
-        return 0.0
-    ranks = np.arange(1, n + 1)
-    return float(2 * np.sum(ranks * v) / (n * total) - (n + 1) / n)
-
-
-def kurtosis(x) -> float:
-    """Pearson kurtosis ``E[(x-mu)^4] / var^2`` (3 for a Gaussian)."""
-    v = np.asarray(x, dtype=np.float64).reshape(-1)
-    c = v - v.mean()
-    var = np.mean(c * c)
-    return float(np.mean(c**4) / var**2) if var > 0 else 0.0
-
-
-def channel_stats(x) -> dict:
-    """Outlier statistics of vectors ``x`` of shape ``(..., tokens, channels)``
-    averaged over the leading axes (heads): kurtosis of the entries, max/median
-    of per-channel mean magnitude, Gini of per-channel energies."""
-    a = np.asarray(x, dtype=np.float64)
-    a = a.reshape(-1, a.shape[-2], a.shape[-1])
-    kurt, ratio, gin = [], [], []
-    for h in a:
-        mag = np.mean(np.abs(h), axis=0)
-        kurt.append(kurtosis(h))
-        med = np.median(mag)
-        ratio.append(float(mag.max() / med) if med > 0 else float("inf"))
-        gin.append(gini(np.sum(h * h, axis=0)))
-    return {"kurtosis": float(np.mean(kurt)), "max_median": float(np.mean(ratio)), "gini": float(np.mean(gin))}
 
 
 # ---------------------------------------------------------------- progress
@@ -1260,35 +1201,6 @@ def _coin_flip_note(record, summary, ref) -> str:
 # ---------------------------------------------------------------- attention fidelity
 
 
-def capture_attention_inputs(model, tokens) -> list[dict]:
-    """Run ``model`` on ``tokens`` with an fp cache and record, per attention
-    call (= per layer, in order), the post-RoPE ``queries``, the ``keys`` and
-    ``values`` the fp cache returned, ``scale`` and the layer index."""
-    install()
-    records, originals = [], {}
-    for name, module in list(sys.modules.items()):
-        if module is not None and name.startswith("mlx_lm.models.") and hasattr(module, "scaled_dot_product_attention"):
-            originals[name] = module.scaled_dot_product_attention
-    cache = make_prompt_cache(model)
-    index = {id(c): i for i, c in enumerate(cache)}
-
-    def recorder(original):
-        def sdpa(queries, keys, values, cache, scale, mask, sinks=None):
-            records.append({"layer": index.get(id(cache)), "queries": queries, "keys": keys, "values": values,
-                            "scale": scale, "sinks": sinks, "cache_type": type(cache).__name__})
-            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-        return sdpa
-
-    try:
-        for name, fn in originals.items():
-            sys.modules[name].scaled_dot_product_attention = recorder(fn)
-        mx.eval(model(mx.array(list(tokens))[None], cache=cache))
-    finally:
-        for name, fn in originals.items():
-            sys.modules[name].scaled_dot_product_attention = fn
-    return records
-
-
 def _layer_attention(spec: CacheSpec, layer_cache, rec) -> tuple | None:
     """(output, k_hat, v_hat) of one layer's cache fed the fp K/V, or None
     when this spec keeps that layer in full precision anyway."""
@@ -1459,7 +1371,7 @@ def environment() -> dict:
         "processor": platform.processor(),
         "device": str(mx.default_device()),
         "metal": metal,
-        "openblas": _platform.openblas_path,
+        "openblas": openblas_path,
         "cpu_count": os.cpu_count(),
     }
 

@@ -17,7 +17,7 @@ ROTATIONS = ("hadamard", "hadamard_nosigns", "none")
 # model's context, low enough that a typo (10**9) is an error, not an allocation.
 MAX_TOKENS = 1 << 24
 
-# Chosen by measurement (oiq_mlx.fidelity, scripts/fidelity_sweep.py; README
+# Chosen by measurement (oiq_mlx.eval.sweep, scripts/fidelity_sweep.py; README
 # "Choosing a configuration"): perplexity and KL against the full-precision cache on
 # SmolLM2-135M and Gemma 3 270M at equal bytes per token.  The 3bit and 2bit key scaling
 # (0.75) and the 2bit window (128) were chosen on three scored windows of Northanger Abbey,
@@ -265,7 +265,7 @@ class OIQConfig:
     def bytes_per_token(self, head_dim: int, layers=None) -> float:
         """Bytes of quantized storage per token per KV head, keys and values together,
         as the cache stores them: packed rows of whole 32-bit words
-        (:func:`oiq_mlx.codec.bytes_per_token`), so an odd number of float16 group
+        (:func:`oiq_mlx.core.codec.bytes_per_token`), so an odd number of float16 group
         scales costs a whole word (group 64 at d = 64 stores as much as group 32).
 
         With ``layer_bits``, the mean over ``layers`` (the cache indices of the

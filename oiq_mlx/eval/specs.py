@@ -14,7 +14,7 @@ A configuration is named by text that :func:`parse_spec` reads:
   with fields replaced;
 * ``oiq[field=value,...]``: ``OIQConfig(field=value, ...)``;
 * in either bracket, ``layer_bits=auto`` or ``layer_bits=auto:BUDGET``: per-layer
-  bits calibrated on each prompt (:mod:`oiq_mlx.calibrate`) within the config's
+  bits calibrated on each prompt (:mod:`oiq_mlx.mlx_lm.calibrate`) within the config's
   own bytes per token or BUDGET; such a spec makes caches only after
   :meth:`CacheSpec.for_prompt`;
 * the named entries of :func:`cache_registry` (``mlx-q4-g64``, ``oiq-4``,
@@ -31,8 +31,8 @@ import warnings
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .config import PRESETS, OIQConfig
-from .integration import make_oiq_cache
+from ..core.config import PRESETS, OIQConfig
+from ..mlx_lm.caches import make_oiq_cache
 
 FP16_BYTES = 2
 MLX_GROUP_SIZE = 64  # mlx-lm's QuantizedKVCache default
@@ -73,11 +73,11 @@ class CacheSpec:
 
     def for_prompt(self, model, tokens) -> "CacheSpec":
         """This spec with ``layer_bits`` calibrated on the prompt ``tokens``
-        (:func:`oiq_mlx.calibrate.calibrate_layer_bits`); itself when no
+        (:func:`oiq_mlx.mlx_lm.calibrate.calibrate_layer_bits`); itself when no
         calibration was asked for."""
         if not self.calibrate:
             return self
-        from .calibrate import calibrate_layer_bits
+        from ..mlx_lm.calibrate import calibrate_layer_bits
 
         cfg = calibrate_layer_bits(model, tokens, self.oiq, budget=self.calibrate_budget)
         return dataclasses.replace(self, oiq=cfg, calibrate=False)
@@ -113,7 +113,7 @@ class CacheSpec:
         counting every float as fp16 (2 bytes): what the cache costs per token once the
         context is long.  What a cache allocates at a given length (sinks, window,
         reserve, means, spare capacity) is measured, not computed: its ``nbytes``
-        (:func:`oiq_mlx.evaluation.allocated_bytes_per_token`).  ``layers``: the
+        (:func:`oiq_mlx.eval.evaluation.allocated_bytes_per_token`).  ``layers``: the
         model's OIQ layer indices, needed (and averaged over) when the config has
         ``layer_bits``.  ``ValueError`` for a ``layer_bits=auto`` spec not
         calibrated yet (its bytes depend on the prompt).
@@ -239,7 +239,7 @@ def _fields(text: str, inner: str) -> dict:
 
 def _auto(text: str, kw: dict) -> dict:
     """``CacheSpec`` fields of a ``layer_bits=auto[:BUDGET]`` request (removed from ``kw``)."""
-    from .calibrate import parse_auto
+    from ..mlx_lm.calibrate import parse_auto
 
     try:
         auto, budget = parse_auto(kw.get("layer_bits"))

@@ -53,7 +53,7 @@ import numpy as np
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
-_FP16_MAX = 65504.0
+FP16_MAX = 65504.0
 
 
 def check_bits(bits, what: str = "bits") -> int:
@@ -275,7 +275,7 @@ def pairwise_sum(e: mx.array) -> mx.array:
 
 def _round_scale(s: mx.array) -> mx.array:
     """Scales as they will be stored (float16, saturated), back in float32."""
-    return mx.minimum(s, _FP16_MAX).astype(mx.float16).astype(mx.float32)
+    return mx.minimum(s, FP16_MAX).astype(mx.float16).astype(mx.float32)
 
 
 def dequantize(codes: mx.array, scales: mx.array, bits: int = 4, group_size: int = 32, *, dtype=mx.float32):

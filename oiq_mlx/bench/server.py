@@ -2,8 +2,8 @@
 subprocess, concurrent load, and the KV capacity figure.
 
 ``scripts/bench_server.py`` is the front end; the tests use :class:`ServerProcess`
-and :func:`complete`.  Every configuration (a name :func:`oiq_mlx.specs.parse_spec` reads) is served
-by the same code path (``python -m oiq_mlx.server``): ``fp`` with
+and :func:`complete`.  Every configuration (a name :func:`oiq_mlx.eval.specs.parse_spec` reads) is served
+by the same code path (``python -m oiq_mlx.cli.server``): ``fp`` with
 ``--no-oiq`` (mlx-lm's batched full-precision server), ``mlx:B`` with
 ``--no-oiq --kv-bits B --quantized-kv-start 0`` (mlx-lm's quantized cache,
 which mlx-lm serves one request at a time) and OIQ configurations.
@@ -27,10 +27,10 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from . import models
-from .integration import end_prefill, model_head_dim
-from .models import resolve_model
-from .specs import parse_spec
+from ..mlx_lm import models
+from ..mlx_lm.caches import end_prefill, model_head_dim
+from ..mlx_lm.models import resolve_model
+from ..eval.specs import parse_spec
 
 
 def free_port() -> int:
@@ -41,7 +41,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """``python -m oiq_mlx.server ARGS`` on 127.0.0.1 and a free port, as a context manager.
+    """``python -m oiq_mlx.cli.server ARGS`` on 127.0.0.1 and a free port, as a context manager.
 
     Entering waits until ``/health`` answers (the model is loaded before the
     server listens); leaving sends SIGTERM, waits ``stop_timeout`` seconds and
@@ -59,7 +59,7 @@ class ServerProcess:
         self.exit_seconds = None
 
     def __enter__(self):
-        cmd = [*self.launcher, sys.executable, "-m", "oiq_mlx.server", "--host", "127.0.0.1", "--port",
+        cmd = [*self.launcher, sys.executable, "-m", "oiq_mlx.cli.server", "--host", "127.0.0.1", "--port",
                str(self.port), *self.args]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
@@ -225,7 +225,7 @@ def run_clients(port: int, prompts, max_tokens: int, *, stream: bool = True, cha
 
 
 def server_args(spec: str) -> list:
-    """``oiq-server`` flags of a cache configuration name (:func:`oiq_mlx.specs.parse_spec`)."""
+    """``oiq-server`` flags of a cache configuration name (:func:`oiq_mlx.eval.specs.parse_spec`)."""
     return parse_spec(spec).server_args()
 
 
@@ -273,7 +273,7 @@ def kv_bytes_in_batch(model, spec: str, tokens: int, dtype, batch: int = 8, step
     buffers and their spare rows are counted): the mean over the steps of the batch's
     ``nbytes`` / ``batch``, against float16 of the same tokens.  None for caches mlx-lm
     cannot batch (its quantized cache, which the server serves one request at a time)."""
-    from .integration import scaled_dot_product_attention
+    from ..mlx_lm.routing import scaled_dot_product_attention
 
     if not all(hasattr(c, "merge") for c in parse_spec(spec).make_cache(model)):
         return None

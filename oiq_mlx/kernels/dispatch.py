@@ -23,11 +23,11 @@ import os
 
 import mlx.core as mx
 
-from . import codec, rotation
-from .kernels._source import SUPPORTED_DIMS
-from .kernels.dequantize import dequantize as kernel_dequantize
-from .kernels.quantize import quantize as kernel_quantize
-from .kernels.quantize import quantize_rows as kernel_quantize_rows
+from ..core import codec, rotation
+from .source import SUPPORTED_DIMS
+from .dequantize import dequantize as kernel_dequantize
+from .quantize import quantize as kernel_quantize
+from .quantize import quantize_rows as kernel_quantize_rows
 
 
 def kernels_enabled() -> bool:

@@ -31,10 +31,11 @@ import functools
 
 import mlx.core as mx
 
-from . import dispatch, rotation
-from .cache import halves, pad_last
-from .codec import SUPPORTED_BITS
-from .kernels.decode_attention import OUT_DTYPES, decode_attention
+from ..kernels import dispatch
+from ..core import rotation
+from .common import halves, pad_last
+from ..core.codec import SUPPORTED_BITS
+from ..kernels.decode_attention import OUT_DTYPES, decode_attention
 
 # queries per step up to which attention takes the decode path (kernel or reference)
 DECODE_MAX_QUERIES = 8
@@ -319,7 +320,7 @@ def _prefill_reference(qs: mx.array, cache, mask, sinks, segments=None) -> mx.ar
 
 
 def oiq_batch_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None) -> mx.array:
-    """Attention of a batch over a :class:`~oiq_mlx.batch_cache.BatchOIQKVCache`.
+    """Attention of a batch over a :class:`~oiq_mlx.cache.batch.BatchOIQKVCache`.
 
     Each sequence attends over its own cache with :func:`oiq_attention` and
     its row of ``mask`` (``(B, 1, L, T)``, its keys right-aligned in the last
@@ -351,7 +352,7 @@ def oiq_batch_attention(queries: mx.array, cache, scale: float, mask=None, sinks
 
 def _stacked_attention(queries: mx.array, stacked, scale: float, sinks) -> mx.array:
     """One decode step of a batch over storage stacked across its sequences
-    (:class:`oiq_mlx.stacked.StackedDecode`): the kernel or reference path of one cache,
+    (:class:`oiq_mlx.cache.stacked.StackedDecode`): the kernel or reference path of one cache,
     with the mask that shows each sequence only its own rows."""
     v = stacked.v
     if sinks is not None and v.mean is not None:

@@ -9,14 +9,14 @@ mlx-lm 0.32.2:
   ``make_prompt_cache`` defers to it, so the batch generator's new caches, the
   sequential path's caches and the server's batchability test (``merge`` on
   every cache) all see :class:`~oiq_mlx.cache.OIQKVCache`, whose ``merge``
-  gives a :class:`~oiq_mlx.batch_cache.BatchOIQKVCache`: batching stays on
+  gives a :class:`~oiq_mlx.cache.batch.BatchOIQKVCache`: batching stays on
   (``kv_bits`` stays None);
 * ``mlx_lm.server.load``, the name ``ModelProvider`` loads with, becomes
   :func:`load_model`, which also takes ``demo``, ``gemma3`` and ``.gguf`` files
   and installs that ``make_cache``;
 * under ``mlx.launch`` with more than one rank, ``mlx_lm.server.sharded_load``
   becomes :func:`sharded_load_model`: the model is loaded whole (by
-  :func:`load_model`), sharded by :func:`oiq_mlx.distributed.shard_model`
+  :func:`load_model`), sharded by :func:`oiq_mlx.mlx_lm.sharding.shard_model`
   (``--pipeline`` as in mlx-lm, else tensor parallel), and its caches hold
   this rank's heads or layers with the unsharded layer numbers;
 * ``mlx_lm.server.run`` becomes :func:`run`: it serves with
@@ -27,22 +27,20 @@ mlx-lm 0.32.2:
 * the prompt cache is :class:`OIQPromptCache`, mlx-lm's ``LRUPromptCache``
   keeping the segment checkpoints of OIQ caches and trimming them only exactly.
 
-The caches are ``positional`` (:class:`~oiq_mlx.config.OIQConfig`) unless
+The caches are ``positional`` (:class:`~oiq_mlx.core.config.OIQConfig`) unless
 ``--no-positional``: what a sequence stores and attends to then depends only on
 its tokens, so a request served from a cached prefix gets what a fresh cache
 would give it, and batching or chunking never changes an answer.
 
 The prompt cache holds the OIQ caches themselves: its copies are
-:func:`~oiq_mlx.batch_cache.detached_copy` (new handles on the same packed
+:func:`~oiq_mlx.cache.batch.detached_copy` (new handles on the same packed
 arrays), its byte accounting is ``OIQKVCache.nbytes``, and no dequantized
 float copy is kept.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
-import dataclasses
 import functools
 import logging
 import os
@@ -56,12 +54,11 @@ import mlx_lm.server as _server
 import mlx_lm.utils
 from mlx_lm.models.cache import KVCache
 
-from . import distributed, models
-from .cli import add_oiq_options, config_from_args
-from .config import OIQConfig
-from .batch_cache import BatchOIQKVCache
-from .cache import OIQKVCache
-from .integration import make_oiq_cache
+from . import sharding as distributed, models
+from ..core.config import OIQConfig
+from ..cache.batch import BatchOIQKVCache
+from ..cache.sequence import OIQKVCache
+from .caches import make_oiq_cache
 from .models import resolve_model
 
 _MLX_LOAD = mlx_lm.utils.load
@@ -74,7 +71,7 @@ def use_oiq_caches(model, config: OIQConfig, layout: distributed.ShardLayout | N
 
     The model's own cache kinds are kept (see :func:`make_oiq_cache`); with
     ``layout`` (a sharded model) the caches are this rank's
-    (:func:`oiq_mlx.distributed.make_cache`).  Raises ``ValueError`` when
+    (:func:`oiq_mlx.mlx_lm.sharding.make_cache`).  Raises ``ValueError`` when
     ``config`` does not fit the model.
     """
     own = getattr(model, "make_cache", None)
@@ -123,7 +120,7 @@ def sharded_load_model(path_or_repo, pipeline_group=None, tensor_group=None, ret
     server under ``mlx.launch``: the model is loaded whole on every rank, then
     sharded in place over the group, pipeline when mlx-lm's ``--pipeline`` gave a
     pipeline group, else tensor parallel; a model that cannot be sharded so is
-    refused with its name (:func:`oiq_mlx.distributed.shard_model`)."""
+    refused with its name (:func:`oiq_mlx.mlx_lm.sharding.shard_model`)."""
     model, tokenizer, model_config = load_model(
         path_or_repo, tokenizer_config=tokenizer_config, return_config=True, config=None, dequantize=dequantize,
         trust_remote_code=trust_remote_code,
@@ -267,69 +264,16 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
     os._exit(0)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="oiq-server",
-        description=(
-            "mlx-lm's OpenAI-compatible HTTP server (mlx_lm.server) with every sequence's KV cache "
-            "stored by OIQ, continuous batching kept on. Every mlx_lm.server flag is accepted "
-            "(--model, --host, --port, --max-tokens, --decode-concurrency, --prompt-cache-size, ...; "
-            "see `mlx_lm.server --help`); --model also takes 'demo', 'gemma3' and .gguf files."
-        ),
-    )
-    add_oiq_options(p)
-    p.add_argument("--dequantize-weights", choices=["auto", "yes", "no"], default="auto",
-                   help="GGUF only: dequantize weights to float32 (auto: on the CPU backend)")
-    return p
-
-
-def server_config(args) -> OIQConfig | None:
-    """The OIQ configuration the server's options ask for (None: ``--no-oiq``).  As
-    ``oiq-generate``'s, except that ``positional`` is on unless ``--no-positional``: the
-    prompt cache reuses prefixes, which give what a fresh cache gives only then.
-    ``exact_prefill`` contradicts that (it makes what is stored depend on the chunks), so
-    it has no effect on positional caches, and asking for it without ``--no-positional`` is
-    an error."""
-    if args.no_oiq:
-        return None
-    config = config_from_args(args)
-    if args.positional is None:
-        if args.exact_prefill:
-            raise ValueError("--exact-prefill needs --no-positional: oiq-server's caches are positional, "
-                             "whose prefix reuse rests on the chunks changing nothing")
-        return dataclasses.replace(config, positional=True)
-    return config
-
-
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args, rest = build_parser().parse_known_args(argv)
-    try:
-        config = server_config(args)
-    except ValueError as e:
-        print(f"oiq-server: error: {e}", file=sys.stderr)
-        return 2
-    if config is not None and any(a == "--kv-bits" or a.startswith("--kv-bits=") for a in rest):
-        print("oiq-server: error: --kv-bits selects mlx-lm's own quantized cache; add --no-oiq to use it",
-              file=sys.stderr)
-        return 2
-    if "--model" not in rest and not any(a.startswith("--model=") for a in rest):
-        rest = ["--model", "demo", *rest]
-    dequantize = {"auto": None, "yes": True, "no": False}[args.dequantize_weights]
+def serve(argv: list, config: OIQConfig | None, dequantize: bool | None) -> None:
+    """Run ``mlx_lm.server.main`` on ``argv`` (mlx-lm's own flags) with the hooks above:
+    models load through :func:`load_model` (or :func:`sharded_load_model`) with OIQ
+    caches of ``config`` (None: mlx-lm's own caches), and :func:`run` serves them."""
     _server.load = functools.partial(load_model, config=config, dequantize=dequantize)
     _server.sharded_load = functools.partial(sharded_load_model, config=config, dequantize=dequantize)
     _server.run = run
     saved = sys.argv
-    sys.argv = ["oiq-server", *rest]
+    sys.argv = ["oiq-server", *argv]
     try:
         _server.main()
-    except (ValueError, FileNotFoundError) as e:
-        print(f"oiq-server: error: {e}", file=sys.stderr)
-        return 2
     finally:
         sys.argv = saved
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,13 +13,14 @@ import time
 
 import mlx.core as mx
 
-from .. import attention, codec, rotation
-from ..cache import OIQKVCache
-from ..config import OIQConfig
-from .decode_attention import decode_attention
-from .dequantize import dequantize
-from .instantiations import production_instantiations
-from .quantize import quantize
+from ..cache import attention
+from ..core import codec, rotation
+from ..cache.sequence import OIQKVCache
+from ..core.config import OIQConfig
+from ..kernels.decode_attention import decode_attention
+from ..kernels.dequantize import dequantize
+from ..kernels.instantiations import production_instantiations
+from ..kernels.quantize import quantize
 
 PRESETS = ("4bit", "3bit", "2bit")
 # shorter than sinks + window (nothing packed yet), then long chats

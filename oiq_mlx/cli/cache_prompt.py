@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import save_prompt_cache
 
-from .cli import (
+from .options import (
     DEFAULT_MODEL,
     HelpFormatter,
     UsageError,
@@ -36,7 +36,7 @@ from .cli import (
     read_prompt,
     run,
 )
-from .integration import end_prefill
+from ..mlx_lm.caches import end_prefill
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,91 @@
+"""Helpers the cache classes share: buffer growth, key/value halves, centering, host-side memos,
+the seeds and sign vectors of a layer."""
+
+from __future__ import annotations
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+from ..core.config import OIQConfig
+from ..core.rotation import random_signs
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+def layer_seed(seed: int, layer_idx: int, which: int) -> int:
+    """Seed of the sign vector of one layer's keys (which=0) or values (which=1)."""
+    return (seed * 1_000_003 + layer_idx) * 2 + which
+
+
+def expected_signs(config: OIQConfig, layer_idx: int, which: int, dim: int) -> mx.array:
+    """The sign vector ``(dim,)`` of one layer's keys (which=0) or values (which=1)."""
+    if config.rotation == "hadamard":
+        return random_signs(layer_seed(config.seed, layer_idx, which), dim)
+    return mx.ones((dim,), mx.float32)
+
+
+def pad_last(x: mx.array, dim: int) -> mx.array:
+    if x.shape[-1] == dim:
+        return x
+    return mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dim - x.shape[-1])])
+
+
+def grow(buf, used: int, needed: int, step: int, shape_tail, dtype, lead, limit: int | None = None):
+    """Return ``buf`` ``(*lead, rows, *shape_tail)`` with capacity >= needed rows (a
+    multiple of ``step``, at most ``limit``), keeping its first ``used`` rows."""
+    axis = len(lead)
+    if buf is not None and needed <= buf.shape[axis]:
+        return buf
+    cap = -(-needed // step) * step
+    if limit is not None:
+        cap = min(cap, limit)
+    new = mx.zeros((*lead, cap, *shape_tail), dtype)
+    if buf is not None and used:
+        rows = (slice(None),) * axis + (slice(0, used),)
+        new[rows] = buf[rows]
+    return new
+
+
+def halves(a: mx.array):
+    """The two rows of ``a`` along its first axis (keys, values) as views."""
+    return a[0:1].reshape(a.shape[1:]), a[1:2].reshape(a.shape[1:])
+
+
+@functools.lru_cache(maxsize=None)
+def center_pair(dtype):
+    """Both sides' new rows minus their means, in ``dtype``, stacked on a new first
+    axis by one elementwise pass (``select`` broadcasts ``[True, False]``)."""
+
+    def center(k, v, mk, mv, select):
+        # k, v come with the new axis already (a view): inside, elementwise only, one fused pass
+        return mx.where(select, k.astype(mx.float32) - mk, v.astype(mx.float32) - mv).astype(dtype)
+
+    return mx.compile(center, shapeless=True)
+
+
+@functools.lru_cache(maxsize=None)
+def center_one(dtype):
+    return mx.compile(lambda x, m: (x.astype(mx.float32) - m).astype(dtype), shapeless=True)
+
+
+class HostMemo:
+    """The last array(s) built on the host for a key.  Every layer of a model's call builds
+    the same masks and indices from the same positions: the first layer builds and uploads
+    them, the others reuse them."""
+
+    def __init__(self):
+        self.key = self.value = None
+
+    def get(self, key, build):
+        if key != self.key:
+            self.key, self.value = key, build()
+        return self.value
+
+
+POSITIONAL = HostMemo()
+
+# built whole (not a lazy reshape): a lazy module constant belongs to the importing thread's
+# stream, and mlx-lm's server evaluates caches on its generation thread
+SELECT_FIRST = mx.array(np.array([True, False]).reshape(2, 1, 1, 1, 1))
+ZERO = mx.array(0.0, mx.float32)

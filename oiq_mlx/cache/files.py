@@ -1,0 +1,228 @@
+"""The cache file format of :class:`~oiq_mlx.cache.OIQKVCache`: what its ``state`` holds and how a
+state is validated before anything is computed from it (``load_prompt_cache`` hands states back)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import mlx.core as mx
+
+from ..core.config import OIQConfig
+from .common import DTYPES, expected_signs
+
+FORMAT_VERSION = 2
+# Format 1 (and states without "format", oiq_mlx 0.1.0) stored the full-precision
+# rows rotated, r((x - m) / lam), and the mean as r(m / lam); format 2 stores
+# x - m and m (DESIGN.md section 13).  Older states are converted on load.
+READABLE_FORMATS = (1, 2)
+_ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
+_META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")
+
+
+def digest(meta: dict) -> str:
+    """Digest of the metadata fields: catches an edited config or counter that
+    leaves the arrays consistent (e.g. ``clip`` or ``window`` changed)."""
+    fields = {k: meta[k] for k in sorted(meta) if k != "digest"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def _refuse(field: str, problem: str) -> ValueError:
+    return ValueError(f"OIQKVCache state refused: {field} {problem}")
+
+
+def _describe(a) -> str:
+    return f"{a.dtype} {tuple(a.shape)}" if isinstance(a, mx.array) else type(a).__name__
+
+
+def parse_state(v):
+    """Validate a state (what :attr:`OIQKVCache.state` returns, as
+    ``load_prompt_cache`` hands it back) before anything is computed from it.
+
+    Returns ``(config, metadata, [keys arrays, values arrays])``, each side a
+    dict by array name.  Raises ``ValueError`` naming the field at fault.
+    """
+    if not isinstance(v, (list, tuple)) or len(v) != 2 * len(_ARRAY_NAMES) + 1 or not isinstance(v[-1], str):
+        n = len(v) if isinstance(v, (list, tuple)) else "?"
+        raise _refuse("state", f"must be 14 arrays (None where absent) and a metadata string; got "
+                               f"{type(v).__name__} of {n} items")
+    try:
+        meta = json.loads(v[-1])
+    except json.JSONDecodeError as e:
+        raise _refuse("metadata", f"is not JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise _refuse("metadata", f"must be a JSON object, got {type(meta).__name__}")
+    fmt = meta.get("format")
+    if "format" in meta and (isinstance(fmt, bool) or fmt not in READABLE_FORMATS):
+        raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads {READABLE_FORMATS}; "
+                                "the file was written by another version")
+    expected = set(_META_FIELDS) | ({"format", "digest"} if "format" in meta else set())
+    # a sharded run's caches also carry the layout they were made on (oiq_mlx.mlx_lm.sharding)
+    if "format" in meta and "layout" in meta:
+        expected.add("layout")
+        if not isinstance(meta["layout"], dict):
+            raise _refuse("layout", f"must be a JSON object, got {type(meta['layout']).__name__}")
+    # a cache saved while exact_prefill kept its prompt in full precision
+    if "format" in meta and "prefilling" in meta:
+        expected.add("prefilling")
+        if meta["prefilling"] is not True:
+            raise _refuse("prefilling", f"must be true when present, got {meta['prefilling']!r}")
+    if set(meta) != expected:
+        raise _refuse("metadata", f"fields do not match format {FORMAT_VERSION}: missing "
+                                  f"{sorted(expected - set(meta))}, unknown {sorted(set(meta) - expected)}")
+    if not isinstance(meta["config"], str):
+        raise _refuse("config", f"must be a JSON string, got {type(meta['config']).__name__}")
+    try:
+        cfg = OIQConfig.from_json(meta["config"])
+    except ValueError as e:
+        raise _refuse("config", f"is invalid: {e}") from None
+    for name in ("layer_idx", "offset", "q_end", "recent_start"):
+        x = meta[name]
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise _refuse(name, f"must be an integer >= 0, got {x!r}")
+    if meta["dtype"] is not None and meta["dtype"] not in DTYPES:
+        raise _refuse("dtype", f"{meta['dtype']!r} is not one of {sorted(DTYPES)}")
+    sides = []
+    for i, side in enumerate(("keys", "values")):
+        arrays = dict(zip(_ARRAY_NAMES, v[7 * i : 7 * i + 7]))
+        for name, a in arrays.items():
+            if a is not None and not isinstance(a, mx.array):
+                raise _refuse(f"{side} {name}", f"is missing or not an array (got {type(a).__name__})")
+        sides.append(arrays)
+    s, offset, q_end, recent_start = cfg.sink_tokens, meta["offset"], meta["q_end"], meta["recent_start"]
+    if meta["dtype"] is None:
+        _check_empty_state(meta, sides, s)
+    else:
+        if meta.get("prefilling") and (cfg.positional or q_end != s or offset > cfg.exact_prefill):
+            raise _refuse("prefilling", f"needs exact_prefill >= offset, positional off and nothing packed "
+                                        f"(q_end = sink_tokens); got exact_prefill={cfg.exact_prefill}, "
+                                        f"positional={cfg.positional}, offset={offset}, q_end={q_end}")
+        if not s <= recent_start <= q_end <= max(s, offset):
+            raise _refuse("q_end", f"and recent_start must satisfy sink_tokens <= recent_start <= q_end <= "
+                                   f"max(sink_tokens, offset); got sink_tokens={s}, recent_start={recent_start}, "
+                                   f"q_end={q_end}, offset={offset}")
+        _check_arrays(cfg, meta, sides)
+    if "format" in meta and meta["digest"] != digest(meta):
+        raise _refuse("metadata", "does not match its digest: the config or the counters were edited "
+                                  "or corrupted after the cache was saved")
+    return cfg, meta, sides
+
+
+def _check_empty_state(meta: dict, sides, sink_tokens: int):
+    if meta["offset"] != 0 or meta["q_end"] != sink_tokens or meta["recent_start"] != sink_tokens:
+        raise _refuse("offset", f"q_end and recent_start of a cache that holds nothing (dtype null) must be "
+                                f"0, {sink_tokens}, {sink_tokens}; got {meta['offset']}, {meta['q_end']}, "
+                                f"{meta['recent_start']}")
+    if meta["head_dims"] != [None, None] or meta["dims"] != [None, None]:
+        raise _refuse("head_dims", "and dims of a cache that holds nothing must be [null, null]")
+    for side, arrays in zip(("keys", "values"), sides):
+        for name, a in arrays.items():
+            if a is not None:
+                raise _refuse(f"{side} {name}", "is present in a cache that holds nothing (dtype null)")
+
+
+def _check_arrays(cfg: OIQConfig, meta: dict, sides):
+    """Shapes, dtypes and values of the arrays of a non-empty state."""
+    dtype, layer = DTYPES[meta["dtype"]], meta["layer_idx"]
+    for name in ("head_dims", "dims"):
+        x = meta[name]
+        positive = [not isinstance(d, bool) and isinstance(d, int) and d >= 1 for d in x] if isinstance(x, list) else []
+        if len(positive) != 2 or not all(positive):
+            raise _refuse(name, f"must be two positive integers, got {x!r}")
+    sink = sides[0]["sink"]
+    if sink is None or sink.ndim != 4 or min(sink.shape[:2]) < 1:
+        raise _refuse("keys sink", f"must be an array (B, n_kv_heads, rows, dim), got {_describe(sink)}")
+    bh = tuple(sink.shape[:2])
+    s, offset = cfg.sink_tokens, meta["offset"]
+    n_sink, n_q, n_rec = min(s, offset), max(0, meta["q_end"] - s), max(0, offset - meta["recent_start"])
+    bits = cfg.bits_for_layer(layer)
+    versioned = "format" in meta
+    for which, (side, arrays) in enumerate(zip(("keys", "values"), sides)):
+        head_dim, dim = meta["head_dims"][which], meta["dims"][which]
+        try:
+            storage = cfg.storage_dim(head_dim)
+        except ValueError as e:
+            raise _refuse("head_dims", f"do not fit the config: {e}") from None
+        if dim != storage:
+            raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dim {head_dim}")
+
+        def check(name, a, want_dtype, want_shape, rows=None):
+            """``a`` must have ``want_dtype`` and ``want_shape`` (axis 2 any of ``rows`` when given)."""
+            ok = isinstance(a, mx.array) and a.dtype == want_dtype and a.ndim == len(want_shape)
+            if ok and a.ndim == 4 and tuple(a.shape[:2]) != bh:
+                raise _refuse(f"{side} {name}", f"has (B, n_kv_heads) = {tuple(a.shape[:2])} where keys sink "
+                                                f"has {bh}")
+            if ok and rows is not None:
+                ok = a.shape[2] in rows and a.shape[3:] == want_shape[3:]
+            elif ok:
+                ok = tuple(a.shape) == want_shape
+            if not ok:
+                want = f"{want_dtype} {want_shape}"
+                if rows is not None and len(rows) > 1:
+                    want += f" (or {sorted(rows)} rows on axis 2)"
+                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want}")
+
+        def check_rows(name, n):
+            """A per-token array holding ``n`` rows (absent or empty when n is 0)."""
+            a = arrays[name]
+            if n or a is not None:
+                width = {"codes": dim * bits[which] // 32, "scales": dim // cfg.group_size}.get(name, dim)
+                want_dtype = {"codes": mx.uint32, "scales": mx.float16}.get(name, dtype)
+                check(name, a, want_dtype, (*bh, n, width), rows={n})
+
+        # oiq_mlx 0.1.0 saved the sink buffer at full size, and an arbitrary slice of an
+        # emptied full-precision buffer; those rows are never read
+        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {n_sink, s})
+        if n_rec or versioned:
+            check_rows("recent", n_rec)
+        check_rows("codes", n_q)
+        check_rows("scales", n_q)
+        if n_q:
+            scales = arrays["scales"]
+            # nothing writes a negative or infinite scale; NaN (a group that held
+            # non-finite input) and 0 (an all-zero group) are written with codes 0
+            if mx.any(mx.logical_or(scales < 0, mx.isinf(scales))).item():
+                raise _refuse(f"{side} scales", "hold negative or infinite values")
+            codes = arrays["codes"]
+            words = codes.reshape(*codes.shape[:3], dim // cfg.group_size, -1)
+            codeless = mx.logical_not(scales > 0)[..., None]
+            if mx.any(mx.logical_and(codeless, words != 0)).item():
+                raise _refuse(f"{side} scales", "are 0 or NaN for groups whose codes are not 0 (a group is "
+                                                "stored with scale 0 or NaN only with codes 0)")
+        check("signs", arrays["signs"], mx.float32, (dim,))
+        if not mx.array_equal(arrays["signs"], expected_signs(cfg, layer, which, dim)).item():
+            raise _refuse(f"{side} signs", f"are not the sign vector of layer {layer} under rotation="
+                                           f"{cfg.rotation!r}, seed={cfg.seed}")
+        center = cfg.center_keys if which == 0 else cfg.center_values
+        power = cfg.key_scaling if which == 0 else 0.0
+        for name, used in (("mean", center), ("lam", power > 0)):
+            a = arrays[name]
+            if not used:
+                if a is not None:
+                    raise _refuse(f"{side} {name}", "is present but the config does not use it")
+                continue
+            if cfg.positional and not n_q:
+                # positional statistics are estimated when the first block is packed
+                if a is not None:
+                    raise _refuse(f"{side} {name}", "is present but nothing is packed yet (positional=true "
+                                                    "estimates it when the first block is packed)")
+                continue
+            if meta.get("prefilling"):
+                # exact_prefill estimates them when the prefill ends
+                if a is not None:
+                    raise _refuse(f"{side} {name}", "is present but the prompt is still being prefilled "
+                                                    "(exact_prefill estimates it when the prefill ends)")
+                continue
+            if a is None:
+                if offset > 0:
+                    what = "something is packed" if cfg.positional else "the cache holds tokens"
+                    raise _refuse(f"{side} {name}", f"is missing (the config uses it and {what})")
+                continue
+            check(name, a, mx.float32, (*bh, 1, dim))
+            if not mx.all(mx.isfinite(a)).item():
+                raise _refuse(f"{side} {name}", "holds non-finite values")
+        lam, mean = arrays["lam"], arrays["mean"]
+        if lam is not None and not mx.all(lam >= 1).item():
+            raise _refuse(f"{side} lam", "holds values below 1 (key scales only ever shrink channels)")
+        if center and power > 0 and (mean is None) != (lam is None):
+            raise _refuse(f"{side} mean", "and lam must be both present or both absent")
