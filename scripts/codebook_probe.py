@@ -28,7 +28,7 @@ import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
 import mlx.core as mx
 import numpy as np
 
-from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.eval.quality import load_model, load_text
 from oiq_mlx.mlx_lm.routing import capture_attention_inputs
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.codec import dequantize, quantize
@@ -83,8 +83,8 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=1024, help="tokens of the text run through the model (default 1024)")
     p.add_argument("--group-size", type=int, default=32, help="coordinates per float16 scale (default 32)")
     args = p.parse_args(argv)
-    model, tokenizer, _ = ev.load_model(args.model)
-    ids = tokenizer.encode(ev.load_text(args.text))[: args.tokens]
+    model, tokenizer, _ = load_model(args.model)
+    ids = tokenizer.encode(load_text(args.text))[: args.tokens]
     if len(ids) < args.tokens:
         p.error(f"the text has {len(ids)} tokens, fewer than --tokens {args.tokens}")
     cfg = OIQConfig.preset("2bit", group_size=args.group_size)

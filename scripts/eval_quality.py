@@ -2,7 +2,7 @@
 top-1 agreement through the real cache path, needle-in-a-haystack retrieval,
 per-layer attention fidelity and key outlier statistics.
 
-Thin front end over ``oiq_mlx.eval.evaluation``.  On the CPU backend the model runs
+Thin front end over ``oiq_mlx.eval.quality``.  On the CPU backend the model runs
 in fp32 (the GGUF loader dequantizes weights); the "fp" reference is mlx-lm's
 plain KVCache at the model dtype, and bytes are reported fp16-equivalent.
 
@@ -22,8 +22,10 @@ import os
 import sys
 
 # importing oiq_mlx (first of all MLX users) preloads OpenBLAS on Linux
-from oiq_mlx.eval import evaluation as ev
-from oiq_mlx.eval.specs import split_spec_list
+from oiq_mlx.eval.quality import (DEFAULT_CACHES, FULL_NEEDLE_CACHES, QUICK_NEEDLE_CACHES, EvalSettings,
+                                  quick_settings, run_evaluation)
+from oiq_mlx.eval.report import markdown_table, save_plots
+from oiq_mlx.eval.specs import cache_registry, split_spec_list
 
 
 def _ints(text):
@@ -39,9 +41,9 @@ def _names(text):
 
 
 def main(argv=None):
-    known = ", ".join(ev.cache_registry())
-    full = ev.EvalSettings()
-    quick = ev.quick_settings()
+    known = ", ".join(cache_registry())
+    full = EvalSettings()
+    quick = quick_settings()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo",
                    help='"demo" (SmolLM2-135M-Instruct GGUF, default), "gemma3" (Gemma 3 270M GGUF), '
@@ -54,7 +56,7 @@ def main(argv=None):
                         f"{list(quick.needle_depths)} on {', '.join(quick.needle_caches)}; any option below overrides")
     p.add_argument("--caches", type=_names, default=None,
                    help=f"comma-separated caches to evaluate (fp is always added as the reference). "
-                        f"Default: {','.join(ev.DEFAULT_CACHES)}. Known: {known}. Also (the registry shared with "
+                        f"Default: {','.join(DEFAULT_CACHES)}. Known: {known}. Also (the registry shared with "
                         f"bench_latency.py, fidelity_sweep.py, bench_server.py): mlx:B[:G], preset:NAME[field=value,...] "
                         f"and oiq[field=value,...] with OIQConfig fields, e.g. 'oiq[k_bits=4,v_bits=3,window=64]'")
     p.add_argument("--prompt-len", type=int, default=None,
@@ -70,7 +72,7 @@ def main(argv=None):
                    help=f"prompt length for attention fidelity and key outlier statistics (default {full.fidelity_tokens})")
     p.add_argument("--needle-caches", type=_names, default=None,
                    help=f"caches run in the needle test, or 'all' for every one of --caches "
-                        f"(default {','.join(ev.FULL_NEEDLE_CACHES)}; --quick: {','.join(ev.QUICK_NEEDLE_CACHES)})")
+                        f"(default {','.join(FULL_NEEDLE_CACHES)}; --quick: {','.join(QUICK_NEEDLE_CACHES)})")
     p.add_argument("--needle-lengths", type=_ints, default=None,
                    help=f"needle prompt lengths in tokens, comma-separated (default {','.join(map(str, full.needle_lengths))})")
     p.add_argument("--needle-depths", type=_floats, default=None,
@@ -104,22 +106,22 @@ def main(argv=None):
         "seed": args.seed,
     }
     if overrides["needle_caches"] == ("all",):
-        overrides["needle_caches"] = args.caches or ev.DEFAULT_CACHES
+        overrides["needle_caches"] = args.caches or DEFAULT_CACHES
     overrides = {k: v for k, v in overrides.items() if v is not None}
-    settings = ev.quick_settings(**overrides) if args.quick else ev.EvalSettings(**overrides)
+    settings = quick_settings(**overrides) if args.quick else EvalSettings(**overrides)
     unknown = set(settings.skip) - {"ppl", "fidelity", "needle"}
     if unknown:
         p.error(f"--skip accepts ppl, fidelity, needle; got {sorted(unknown)}")
 
-    result = ev.run_evaluation(settings)
+    result = run_evaluation(settings)
     result["command"] = " ".join(["scripts/eval_quality.py", *(argv if argv is not None else sys.argv[1:])])
-    print(ev.markdown_table(result))
+    print(markdown_table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plots:
-        for path in ev.save_plots(result, args.plots):
+        for path in save_plots(result, args.plots):
             print(f"wrote {path}", file=sys.stderr)
 
 

@@ -2,7 +2,7 @@
 """Fidelity frontier: perplexity / KL / top-1 of KV caches against the
 full-precision cache, with the bytes each spends per token (oiq_mlx.eval.sweep).
 
-Caches: registry names of oiq_mlx.eval.evaluation (fp, mlx-q4-g64, oiq-4, ...),
+Caches: registry names of oiq_mlx.eval.specs (fp, mlx-q4-g64, oiq-4, ...),
 oiq[field=value,...], mlx:BITS[:GROUP] (mlx-lm affine QuantizedKVCache),
 preset:NAME or preset:NAME[field=value,...] (layer_bits=auto or auto:BUDGET in the brackets:
 per-layer bits calibrated on each window's prompt, printed under the table).  The fp reference always runs.
@@ -22,7 +22,8 @@ import sys
 import time
 
 import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
-from oiq_mlx.eval import evaluation
+from oiq_mlx.eval.progress import Progress
+from oiq_mlx.eval.quality import environment, load_model, load_text
 from oiq_mlx.eval import sweep as fidelity
 from oiq_mlx.core.config import layer_bits_text
 
@@ -49,13 +50,13 @@ def main(argv=None):
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
 
     specs = [fidelity.parse_spec(c) for c in args.caches]
-    progress = evaluation.Progress(enabled=not args.quiet)
+    progress = Progress(enabled=not args.quiet)
     t0 = time.perf_counter()
-    model, tokenizer, path = evaluation.load_model(args.model)
+    model, tokenizer, path = load_model(args.model)
     if args.key_bias:
         channels = fidelity.add_key_bias(model, ratio=args.key_bias)
         progress(f"k_proj bias {args.key_bias} x median channel RMS on channels {channels}")
-    tokens = tokenizer.encode(evaluation.load_text(args.text))
+    tokens = tokenizer.encode(load_text(args.text))
     rows = fidelity.sweep(model, tokens, specs, prompt_len=args.prompt, score_len=args.scored,
                           chunk=args.chunk, windows=args.windows, progress=progress)
     print(fidelity.frontier_table(rows))
@@ -69,7 +70,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump({"command": sys.argv, "model": args.model, "path": path, "key_bias": args.key_bias,
                        "prompt": args.prompt, "scored": args.scored, "chunk": args.chunk, "windows": args.windows,
-                       "environment": evaluation.environment(), "wall_seconds": wall, "rows": rows}, f, indent=1)
+                       "environment": environment(), "wall_seconds": wall, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

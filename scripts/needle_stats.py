@@ -9,7 +9,7 @@ miss where fp itself barely chose the digits is marked a coin flip.  With
 packed cache after fp's own prefill, and the chunked prefill's keys and values
 (computed by layers that read earlier chunks packed) read exactly.
 
-Thin front end over ``oiq_mlx.eval.evaluation.needle_stats``.  Answers are greedy,
+Thin front end over ``oiq_mlx.eval.needle_stats.needle_stats``.  Answers are greedy,
 through ``mlx_lm.generate_step`` as in ``mlx_lm.generate``: the prompt but its
 last token is prefilled in chunks of --prefill-step-size (mlx-lm's 2048), the
 last token is a one-token step, so the answer reads the cache as stored.
@@ -31,7 +31,11 @@ import sys
 from pathlib import Path
 
 # importing oiq_mlx (first of all MLX users) preloads OpenBLAS on Linux
-from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.eval.needle import prepare_haystack
+from oiq_mlx.eval.needle_stats import needle_stats, resummarize_needle
+from oiq_mlx.eval.progress import Progress
+from oiq_mlx.eval.quality import environment, load_model, load_text, select_caches
+from oiq_mlx.eval.report import needle_stats_markdown
 from oiq_mlx.eval.specs import split_spec_list
 
 FULL = {"lengths": (2048, 4096, 8000), "depths": (0.0, 0.25, 0.5, 0.75, 1.0), "trials": 12,
@@ -101,7 +105,7 @@ def main(argv=None):
             p.error("--report takes no other option but --markdown, got " + ", ".join(f"--{k.replace('_', '-')}" for k in others))
         try:
             with open(args.report) as f:
-                report = ev.needle_stats_markdown(ev.resummarize_needle(json.load(f)))
+                report = needle_stats_markdown(resummarize_needle(json.load(f)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             p.error(f"--report: cannot report {args.report}: {type(e).__name__}: {e}")
         if args.markdown:
@@ -125,7 +129,7 @@ def main(argv=None):
     if args.resume and not args.json:
         p.error("--resume needs --json")
     try:
-        specs = ev.select_caches(split_spec_list(args.caches) if args.caches else base["caches"])
+        specs = select_caches(split_spec_list(args.caches) if args.caches else base["caches"])
     except ValueError as e:
         p.error(str(e))
     paths = [x for x in (args.texts or "").split(",") if x]
@@ -136,7 +140,7 @@ def main(argv=None):
         except (OSError, UnicodeDecodeError) as e:
             p.error(f"--texts: cannot read {path}: {e}")
     if not texts:
-        texts = {"austen_persuasion": ev.load_text(None)}
+        texts = {"austen_persuasion": load_text(None)}
     if len(texts) != len(paths) and paths:
         p.error("--texts: two files have the same name; haystacks are told apart by file name")
     done = done_specs = None
@@ -149,14 +153,14 @@ def main(argv=None):
                 p.error(f"--resume: {args.json} was run with model {old.get('model')!r}, not {args.model!r}")
             done, done_specs = old["records"], old.get("specs")
 
-    progress = ev.Progress()
-    model, tokenizer, path = ev.load_model(args.model)
-    haystacks = [ev.prepare_haystack(tokenizer, name, text) for name, text in texts.items()]
+    progress = Progress()
+    model, tokenizer, path = load_model(args.model)
+    haystacks = [prepare_haystack(tokenizer, name, text) for name, text in texts.items()]
     progress(f"{args.model}: {len(specs)} caches, texts " + ", ".join(f"{h.name} ({len(h.ids)} tokens)" for h in haystacks))
     command = " ".join(["scripts/needle_stats.py", *(argv if argv is not None else sys.argv[1:])])
 
     def finish(result):
-        result.update(model=args.model, model_path=str(path), command=command, environment=ev.environment())
+        result.update(model=args.model, model_path=str(path), command=command, environment=environment())
         return result
 
     def checkpoint(result):
@@ -166,13 +170,13 @@ def main(argv=None):
                 json.dump(finish(result), f, indent=1)
             os.replace(tmp, args.json)
 
-    result = ev.needle_stats(model, tokenizer, specs, haystacks=haystacks, lengths=lengths, depths=depths,
-                             trials=trials, seed=args.seed, chat=not args.no_chat, max_tokens=args.max_tokens,
-                             prefill_step_size=args.prefill_step_size,
-                             share_prefill=not args.no_share_prefill, progress=progress, done=done, done_specs=done_specs,
-                             checkpoint=checkpoint, only=args.only, attribute=args.attribute)
+    result = needle_stats(model, tokenizer, specs, haystacks=haystacks, lengths=lengths, depths=depths,
+                          trials=trials, seed=args.seed, chat=not args.no_chat, max_tokens=args.max_tokens,
+                          prefill_step_size=args.prefill_step_size,
+                          share_prefill=not args.no_share_prefill, progress=progress, done=done, done_specs=done_specs,
+                          checkpoint=checkpoint, only=args.only, attribute=args.attribute)
     checkpoint(result)
-    report = ev.needle_stats_markdown(finish(result))
+    report = needle_stats_markdown(finish(result))
     print(report)
     if args.markdown:
         Path(args.markdown).write_text(report + "\n", encoding="utf-8")

@@ -21,7 +21,7 @@ from oiq_mlx.mlx_lm.calibrate import (
     min_tokens,
     parse_auto,
 )
-from oiq_mlx.eval.evaluation import perplexity_eval
+from oiq_mlx.eval.perplexity import perplexity_eval
 from oiq_mlx.mlx_lm.caches import model_head_dim, oiq_layer_indices
 from oiq_mlx.eval.specs import parse_spec
 

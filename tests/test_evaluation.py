@@ -13,10 +13,10 @@ from mlx_lm.models import llama
 
 from helpers import CharTokenizer
 from oiq_mlx.core import metrics
-from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.eval import fidelity, needle, perplexity, progress, quality, report
 from oiq_mlx.mlx_lm.routing import capture_attention_inputs
 from oiq_mlx.cache.sequence import OIQKVCache
-from oiq_mlx.eval.specs import parse_spec, split_spec_list
+from oiq_mlx.eval.specs import CacheSpec, cache_registry, parse_spec, split_spec_list
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBED_SCALE = 4.0
@@ -82,7 +82,7 @@ def test_rotation_flattens_an_outlier_channel():
     k = rng.standard_normal((1, 2, 256, 64)).astype(np.float32)
     k[..., 5] *= 30
     records = [{"layer": 0, "keys": mx.array(k), "cache_type": "KVCache"}]
-    stats = ev.key_outlier_stats(records)
+    stats = fidelity.key_outlier_stats(records)
     assert stats["before"]["gini"] > 0.7
     assert stats["rotated"]["gini"] < 0.2
     assert stats["rotated"]["max_median"] < stats["before"]["max_median"]
@@ -94,9 +94,9 @@ def test_rotation_flattens_an_outlier_channel():
 def test_identical_caches_give_zero_kl_and_equal_ppl():
     model = tiny_llama()
     toks = _tokens(97)
-    fp = ev.cache_registry()["fp"]
-    twin = ev.CacheSpec("fp-twin", "fp")
-    res = ev.perplexity_eval(model, toks, [fp, twin], prompt_len=32, score_len=64, chunk=16)
+    fp = cache_registry()["fp"]
+    twin = CacheSpec("fp-twin", "fp")
+    res = perplexity.perplexity_eval(model, toks, [fp, twin], prompt_len=32, score_len=64, chunk=16)
     assert res["fp-twin"]["ppl"] == pytest.approx(res["fp"]["ppl"], rel=1e-6)
     assert abs(res["fp-twin"]["kl"]) < 1e-7
     assert res["fp-twin"]["top1"] == 1.0
@@ -106,7 +106,7 @@ def test_identical_caches_give_zero_kl_and_equal_ppl():
 def test_perplexity_matches_single_forward_pass():
     model = tiny_llama()
     toks = _tokens(65)
-    res = ev.perplexity_eval(model, toks, [ev.cache_registry()["fp"]], prompt_len=16, score_len=48, chunk=16)
+    res = perplexity.perplexity_eval(model, toks, [cache_registry()["fp"]], prompt_len=16, score_len=48, chunk=16)
     logp = metrics.log_softmax(model(mx.array(toks[:-1])[None])[0])
     nll = -np.array(logp)[np.arange(16, 64), np.array(toks[17:65])].mean()
     assert res["fp"]["ppl"] == pytest.approx(math.exp(nll), rel=1e-4)
@@ -115,8 +115,8 @@ def test_perplexity_matches_single_forward_pass():
 def test_quantized_caches_ordered_by_bits():
     model = tiny_llama()
     toks = _tokens(97)
-    specs = ev.select_caches(["oiq-8", "oiq-plain-2", "mlx-q8-g32"])
-    res = ev.perplexity_eval(model, toks, specs, prompt_len=32, score_len=64, chunk=32)
+    specs = quality.select_caches(["oiq-8", "oiq-plain-2", "mlx-q8-g32"])
+    res = perplexity.perplexity_eval(model, toks, specs, prompt_len=32, score_len=64, chunk=32)
     assert res["oiq-8"]["kl"] < res["oiq-plain-2"]["kl"]
     assert res["mlx-q8-g32"]["kl"] < res["oiq-plain-2"]["kl"]
     assert 0 < res["oiq-8"]["kl"] < 1e-2
@@ -130,7 +130,7 @@ def test_quantized_caches_ordered_by_bits():
 
 
 def test_bytes_per_token():
-    reg = ev.cache_registry()
+    reg = cache_registry()
     assert reg["fp"].bytes_per_token(64) == 256
     # mlx affine: codes + fp16 scale and bias per group, K and V
     assert reg["mlx-q4-g64"].bytes_per_token(64) == 2 * (32 + 4)
@@ -139,16 +139,16 @@ def test_bytes_per_token():
 
 
 def test_select_caches_puts_fp_first_and_rejects_unknown():
-    specs = ev.select_caches(["oiq-4", "fp"])
+    specs = quality.select_caches(["oiq-4", "fp"])
     assert [s.name for s in specs] == ["fp", "oiq-4"]
     with pytest.raises(ValueError):
-        ev.select_caches(["nope"])
+        quality.select_caches(["nope"])
 
 
 def test_custom_oiq_cache_names():
     names = split_spec_list("oiq-4, oiq[k_bits=4,v_bits=3,window=64,clip=true],mlx-q4-g64")
     assert names == ["oiq-4", "oiq[k_bits=4,v_bits=3,window=64,clip=true]", "mlx-q4-g64"]
-    spec = ev.select_caches(names)[2]
+    spec = quality.select_caches(names)[2]
     assert (spec.oiq.k_bits, spec.oiq.v_bits, spec.oiq.window, spec.oiq.clip) == (4, 3, 64, True)
     with pytest.raises(ValueError):
         parse_spec("oiq[nonsense=1]")
@@ -163,8 +163,8 @@ def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
     assert [r["layer"] for r in records] == [0, 1, 2]
     assert records[0]["queries"].shape == (1, 4, 80, 32)
     q0 = np.array(records[0]["queries"])
-    specs = ev.select_caches(["fp16", "oiq-8", "oiq-plain-2", "mlx-q8-g32", "mlx-q4-g32"])
-    res = ev.attention_fidelity(model, None, specs, records=records)
+    specs = quality.select_caches(["fp16", "oiq-8", "oiq-plain-2", "mlx-q8-g32", "mlx-q4-g32"])
+    res = fidelity.attention_fidelity(model, None, specs, records=records)
     np.testing.assert_array_equal(np.array(records[0]["queries"]), q0)
     assert res["mlx-q8-g32"]["cos_mean"] > 0.999
     assert res["mlx-q4-g32"]["cos_mean"] > 0.95
@@ -188,15 +188,15 @@ FILLER = "It was a truth universally acknowledged. She smiled! Did he know? " * 
 def test_needle_prompt_length_and_depth(length, depth):
     tok = CharTokenizer()
     filler = tok.encode(FILLER)
-    p = ev.build_needle_prompt(tok, filler, length, depth, "48213", chat=False)
+    p = needle.build_needle_prompt(tok, filler, length, depth, "48213", chat=False)
     assert abs(p.length - length) <= 0.01 * length
     assert len(p.ids) == p.length
     # the needle moves to the nearest sentence end; the longest filler sentence has 40 characters
-    n_filler = p.hay_len - len(tok.encode(ev.NEEDLE_TEMPLATE.format(key="48213")))
+    n_filler = p.hay_len - len(tok.encode(needle.NEEDLE_TEMPLATE.format(key="48213")))
     assert abs((p.needle_start - p.hay_start) - depth * n_filler) <= 40
     text = tok.decode(p.ids)
     assert text.count("48213") == 2
-    assert text.endswith(ev.ANSWER_PREFIX)
+    assert text.endswith(needle.ANSWER_PREFIX)
     assert tok.decode(p.ids[p.needle_start :]).startswith(" The pass key is 48213.")
     # the needle sits at a sentence boundary
     before = tok.decode(p.ids[p.hay_start : p.needle_start]).rstrip()
@@ -204,20 +204,20 @@ def test_needle_prompt_length_and_depth(length, depth):
 
 
 def test_retrieved_passkey():
-    assert ev.retrieved_passkey(" 48213. Remember") == "48213"
-    assert ev.retrieved_passkey(" unknown") is None
+    assert needle.retrieved_passkey(" 48213. Remember") == "48213"
+    assert needle.retrieved_passkey(" unknown") is None
 
 
 def test_needle_eval_runs_through_generate_step():
     model = tiny_llama(vocab=256)
-    res = ev.needle_eval(model, CharTokenizer(), ev.select_caches(["oiq-4"]), filler_text=FILLER,
+    res = needle.needle_eval(model, CharTokenizer(), quality.select_caches(["oiq-4"]), filler_text=FILLER,
                          lengths=(200,), depths=(0.0, 1.0), chat=False, max_tokens=3)
     assert set(res["grid"]) == {"fp", "oiq-4"}
     assert np.array(res["grid"]["fp"]).shape == (1, 2)
     # every cell is the verdict on the answer recorded for it
     for name, grid in res["grid"].items():
         for row, answers, keys in zip(grid, res["answers"][name], res["passkeys"]):
-            assert row == [int(ev.retrieved_passkey(a) == k) for a, k in zip(answers, keys)]
+            assert row == [int(needle.retrieved_passkey(a) == k) for a, k in zip(answers, keys)]
 
 
 def test_needle_grid_values_on_constructed_answers(monkeypatch):
@@ -233,8 +233,8 @@ def test_needle_grid_values_on_constructed_answers(monkeypatch):
         oiq = any(isinstance(c, OIQKVCache) for c in cache)
         return f" {int(key) + 1 if oiq and depth < 0.4 else key}."
 
-    monkeypatch.setattr(ev, "greedy_answer", answer)
-    res = ev.needle_eval(tiny_llama(vocab=256), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
+    monkeypatch.setattr(needle, "greedy_answer", answer)
+    res = needle.needle_eval(tiny_llama(vocab=256), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
                          lengths=(300, 600), depths=(0.0, 0.25, 1.0), chat=False, seed=3)
     assert res["grid"]["fp"] == [[1, 1, 1], [1, 1, 1]]
     assert res["grid"]["oiq-4"] == [[0, 0, 1], [0, 0, 1]]
@@ -249,12 +249,12 @@ def test_needle_grid_values_on_constructed_answers(monkeypatch):
 
 def test_markdown_and_run_evaluation_on_tiny_model(tmp_path):
     model = tiny_llama(vocab=256)
-    settings = ev.EvalSettings(caches=("oiq-4", "mlx-q8-g32", "mlx-q4-g64"), prompt_len=32, score_len=32, chunk=16,
+    settings = quality.EvalSettings(caches=("oiq-4", "mlx-q8-g32", "mlx-q4-g64"), prompt_len=32, score_len=32, chunk=16,
                                windows=1, fidelity_tokens=48, needle_caches=("oiq-4",), needle_lengths=(150,),
                                needle_depths=(0.5,), needle_chat=False, text=str(tmp_path / "t.txt"))
     (tmp_path / "t.txt").write_text(FILLER)
-    res = ev.run_evaluation(settings, model=model, tokenizer=CharTokenizer(), progress=ev.Progress(enabled=False))
-    table = ev.markdown_table(res)
+    res = quality.run_evaluation(settings, model=model, tokenizer=CharTokenizer(), progress=progress.Progress(enabled=False))
+    table = report.markdown_table(res)
     assert "| oiq-4 |" in table and "| mlx-q8-g32 |" in table
     # group 64 does not divide head_dim 32: skipped, and said so
     assert "mlx-q4-g64" not in table and "mlx-q4-g64" in res["skipped_caches"]
@@ -272,9 +272,9 @@ def test_script_help():
 
 @pytest.mark.slow
 def test_smoke_real_model():
-    settings = ev.quick_settings(caches=("oiq-4",), prompt_len=64, score_len=128, chunk=16, fidelity_tokens=64,
+    settings = quality.quick_settings(caches=("oiq-4",), prompt_len=64, score_len=128, chunk=16, fidelity_tokens=64,
                                  needle_caches=("fp",), needle_lengths=(200,), needle_depths=(0.5,))
-    res = ev.run_evaluation(settings, progress=ev.Progress(enabled=False))
+    res = quality.run_evaluation(settings, progress=progress.Progress(enabled=False))
     ppl = res["perplexity"]
     assert 5 < ppl["fp"]["ppl"] < 200
     assert ppl["oiq-4"]["kl"] < 0.2

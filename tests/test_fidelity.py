@@ -7,12 +7,13 @@ import mlx.core as mx
 import pytest
 from helpers import reference_attention, tiny_llama
 
-from oiq_mlx.eval import evaluation
+from oiq_mlx.eval.fidelity import attention_fidelity
 from oiq_mlx.eval import sweep as fidelity
 from oiq_mlx.mlx_lm.routing import capture_attention_inputs
 from oiq_mlx.cache.attention import oiq_attention
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.config import PRESETS, OIQConfig
+from oiq_mlx.eval.specs import parse_spec
 
 # -- presets --------------------------------------------------------------------------
 
@@ -105,7 +106,7 @@ def qwen2_fidelity():
     recs = capture_attention_inputs(model, ids)
     specs = [fidelity.parse_spec(s) for s in ("oiq-plain-4", "mlx:4", "preset:4bit", "oiq-plain-3", "preset:3bit",
                                               "oiq-plain-2", "preset:2bit")]
-    return {n: r["cos_mean"] for n, r in evaluation.attention_fidelity(model, None, specs, records=recs).items()}
+    return {n: r["cos_mean"] for n, r in attention_fidelity(model, None, specs, records=recs).items()}
 
 
 def test_qwen2_biased_keys_presets_beat_plain(qwen2_fidelity):
@@ -131,7 +132,7 @@ def test_parse_spec():
     assert s.bytes_per_token(64) == 56
     s = fidelity.parse_spec("preset:2bit[window=8, clip=false]")
     assert s.oiq == OIQConfig.preset("2bit", window=8, clip=False)
-    assert fidelity.parse_spec("oiq-4").oiq == evaluation.parse_spec("oiq-4").oiq
+    assert fidelity.parse_spec("oiq-4").oiq == parse_spec("oiq-4").oiq
     with pytest.raises(ValueError, match="unknown OIQ preset"):
         fidelity.parse_spec("preset:1bit")
 

@@ -14,7 +14,10 @@ import pytest
 from mlx_lm.models import llama
 
 from helpers import CharTokenizer
-from oiq_mlx.eval import evaluation as ev
+from oiq_mlx.eval import needle as nd
+from oiq_mlx.eval import needle_stats as ns
+from oiq_mlx.eval import quality, stats
+from oiq_mlx.eval.report import needle_stats_markdown
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.eval.specs import parse_spec
 
@@ -53,16 +56,16 @@ class WordTokenizer:
 
 
 def _needle_ids(tok, key):
-    return tok.encode(ev.NEEDLE_TEMPLATE.format(key=key), add_special_tokens=False)
+    return tok.encode(nd.NEEDLE_TEMPLATE.format(key=key), add_special_tokens=False)
 
 
 @pytest.mark.parametrize("tok_cls, chat", [(CharTokenizer, False), (WordTokenizer, True)])
 def test_planned_prompts_have_exact_length_depth_and_come_from_the_texts(tok_cls, chat):
     tok = tok_cls()
-    hays = [ev.prepare_haystack(tok, "a", TEXT_A), ev.prepare_haystack(tok, "b", TEXT_B)]
+    hays = [nd.prepare_haystack(tok, "a", TEXT_A), nd.prepare_haystack(tok, "b", TEXT_B)]
     lengths = (120, 300) if tok_cls is WordTokenizer else (400, 1000)
     depths = (0.0, 0.3, 0.75, 1.0)
-    plan = ev.plan_needle_trials(tok, hays, lengths, depths, 3, seed=1, chat=chat)
+    plan = nd.plan_needle_trials(tok, hays, lengths, depths, 3, seed=1, chat=chat)
     assert len(plan) == 3 * len(lengths) * len(depths)
     # round by round: every cell once before any cell twice
     assert [(t.length, t.depth) for t in plan[:8]] == [(L, d) for L in lengths for d in depths]
@@ -88,73 +91,73 @@ def test_planned_prompts_have_exact_length_depth_and_come_from_the_texts(tok_cls
         expect = (hay.ids[t.offset :] + hay.ids * (2 + t.length // len(hay.ids)))[:n_filler]
         assert filler == expect
         assert t.offset in hay.ends
-        assert tok.decode(p.ids).endswith(ev.ANSWER_PREFIX)
+        assert tok.decode(p.ids).endswith(nd.ANSWER_PREFIX)
     assert len({t.offset for t in plan}) > 3
 
 
 def test_haystack_filler_wraps_with_sentence_starts():
     tok = CharTokenizer()
-    hay = ev.prepare_haystack(tok, "s", "Ab. Cd. ")
+    hay = nd.prepare_haystack(tok, "s", "Ab. Cd. ")
     assert hay.ends == [0, 3, 7]  # the text's start, after "Ab." and after "Cd."
     ids, ends = hay.filler(3, 12)
     assert tok.decode(ids) == " Cd. Ab. Cd."
     assert ends == [0, 4, 5, 8, 12]
     with pytest.raises(ValueError, match="at least 2"):
-        ev.prepare_haystack(tok, "tiny", "x")
+        nd.prepare_haystack(tok, "tiny", "x")
 
 
 def test_plan_rejects_bad_input():
     tok = CharTokenizer()
-    hays = [ev.prepare_haystack(tok, "a", TEXT_A)]
+    hays = [nd.prepare_haystack(tok, "a", TEXT_A)]
     with pytest.raises(ValueError, match="trials"):
-        ev.plan_needle_trials(tok, hays, (300,), (0.5,), 0)
+        nd.plan_needle_trials(tok, hays, (300,), (0.5,), 0)
     with pytest.raises(ValueError, match="depth"):
-        ev.plan_needle_trials(tok, hays, (300,), (1.5,), 2)
+        nd.plan_needle_trials(tok, hays, (300,), (1.5,), 2)
     with pytest.raises(ValueError, match="too short"):
-        ev.plan_needle_trials(tok, hays, (60,), (0.5,), 1, chat=False)
+        nd.plan_needle_trials(tok, hays, (60,), (0.5,), 1, chat=False)
     with pytest.raises(ValueError, match="no haystack"):
-        ev.plan_needle_trials(tok, [], (300,), (0.5,), 1)
+        nd.plan_needle_trials(tok, [], (300,), (0.5,), 1)
 
 
 def test_wilson_interval_known_values():
-    lo, hi = ev.wilson_interval(5, 10)
+    lo, hi = stats.wilson_interval(5, 10)
     assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
     # 0 of 60: the upper bound is z^2 / (n + z^2)
-    lo, hi = ev.wilson_interval(0, 60)
+    lo, hi = stats.wilson_interval(0, 60)
     assert lo == 0.0 and hi == pytest.approx(1.96**2 / (60 + 1.96**2))
-    lo, hi = ev.wilson_interval(60, 60)
+    lo, hi = stats.wilson_interval(60, 60)
     assert hi == pytest.approx(1.0) and lo == pytest.approx(60 / (60 + 1.96**2))
-    assert ev.wilson_interval(0, 0) == (0.0, 1.0)
+    assert stats.wilson_interval(0, 0) == (0.0, 1.0)
     with pytest.raises(ValueError):
-        ev.wilson_interval(3, 2)
+        stats.wilson_interval(3, 2)
 
 
 def test_mcnemar_exact():
-    assert ev.mcnemar_p(0, 0) == 1.0
-    assert ev.mcnemar_p(0, 6) == pytest.approx(2 / 64)
-    assert ev.mcnemar_p(4, 1) == pytest.approx(2 * 6 / 32)
-    assert ev.mcnemar_p(3, 3) == 1.0
+    assert stats.mcnemar_p(0, 0) == 1.0
+    assert stats.mcnemar_p(0, 6) == pytest.approx(2 / 64)
+    assert stats.mcnemar_p(4, 1) == pytest.approx(2 * 6 / 32)
+    assert stats.mcnemar_p(3, 3) == 1.0
 
 
 def test_paired_counts_constructed():
     ref = [1, 1, 1, 0, 0, 1, 1]
     other = [1, 0, 1, 1, 0, 0, 1]
-    p = ev.paired_counts([bool(x) for x in ref], [bool(x) for x in other])
+    p = stats.paired_counts([bool(x) for x in ref], [bool(x) for x in other])
     assert (p["n"], p["both"], p["ref_only"], p["other_only"], p["neither"]) == (7, 3, 2, 1, 1)
     assert p["missed_of_ref"] == pytest.approx(2 / 5)
-    assert p["missed_of_ref_ci"] == list(ev.wilson_interval(2, 5))
-    assert p["mcnemar_p"] == pytest.approx(ev.mcnemar_p(2, 1))
+    assert p["missed_of_ref_ci"] == list(stats.wilson_interval(2, 5))
+    assert p["mcnemar_p"] == pytest.approx(stats.mcnemar_p(2, 1))
     with pytest.raises(ValueError):
-        ev.paired_counts([True], [True, False])
+        stats.paired_counts([True], [True, False])
 
 
 def test_margin_drop_constructed():
-    m = ev.margin_drop([3.0, 2.0, 4.0], [2.0, 2.5, 1.0])
+    m = stats.margin_drop([3.0, 2.0, 4.0], [2.0, 2.5, 1.0])
     assert m["n"] == 3 and m["mean"] == pytest.approx(3.5 / 3)
     assert m["se"] == pytest.approx(np.std([1.0, -0.5, 3.0], ddof=1) / np.sqrt(3))
-    assert ev.margin_drop([], []) is None and ev.margin_drop([1.0], [0.5])["se"] is None
+    assert stats.margin_drop([], []) is None and stats.margin_drop([1.0], [0.5])["se"] is None
     with pytest.raises(ValueError):
-        ev.margin_drop([1.0], [])
+        stats.margin_drop([1.0], [])
 
 
 def _record(i, length, depth, hits):
@@ -171,9 +174,9 @@ def test_summary_per_length_and_depth():
         _record(3, 4096, 0.9, {"fp": True, "oiq-4": True}),
         _record(4, 4096, 0.1, {"fp": False, "oiq-4": False}),
     ]
-    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    s = stats.summarize_needle_trials(recs, ["fp", "oiq-4"])
     assert s["fp"]["all"]["hits"] == 3 and s["fp"]["all"]["n"] == 5
-    assert s["fp"]["all"]["ci"] == list(ev.wilson_interval(3, 5))
+    assert s["fp"]["all"]["ci"] == list(stats.wilson_interval(3, 5))
     assert s["oiq-4"]["by_length"]["2048"]["hits"] == 1 and s["oiq-4"]["by_length"]["4096"]["hits"] == 2
     assert s["oiq-4"]["by_depth"]["0.1"]["hits"] == 1 and s["oiq-4"]["by_depth"]["0.9"]["n"] == 2
     p = s["oiq-4"]["paired"]
@@ -186,12 +189,12 @@ def test_summary_per_length_and_depth():
 
 
 def test_first_margin_change_and_coin_flips_constructed():
-    c = ev.first_margin_change([1.0, 2.0, 3.0], [1.5, 1.5, 3.5])
+    c = stats.first_margin_change([1.0, 2.0, 3.0], [1.5, 1.5, 3.5])
     assert c["n"] == 3 and c["mean"] == pytest.approx(0.5 / 3)
     assert c["sd"] == pytest.approx(np.std([0.5, -0.5, 0.5], ddof=1))
-    assert ev.first_margin_change([], []) is None and ev.first_margin_change([1.0], [2.0])["sd"] is None
+    assert stats.first_margin_change([], []) is None and stats.first_margin_change([1.0], [2.0])["sd"] is None
     with pytest.raises(ValueError):
-        ev.first_margin_change([1.0], [])
+        stats.first_margin_change([1.0], [])
 
     def rec(i, fp, oiq):  # (hit, first-token margin) for each cache
         return {"index": i, "length": 512, "depth": 0.5, "actual_depth": 0.5, "text": "a", "offset": 0,
@@ -205,12 +208,12 @@ def test_first_margin_change_and_coin_flips_constructed():
             rec(4, (True, 0.05), (False, 0.3)),   # fp barely chose: 0.22 sd, a coin flip
             rec(5, (True, 0.5), (False, 0.3)),    # 2.17 sd: a real loss
             rec(6, (False, 0.01), (True, 0.3))]   # fp's miss: no note
-    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    s = stats.summarize_needle_trials(recs, ["fp", "oiq-4"])
     assert s["oiq-4"]["first_margin_change"]["n"] == 4
     assert s["oiq-4"]["first_margin_change"]["sd"] == pytest.approx(np.std([0.2, -0.2, 0.2, -0.2], ddof=1))
     res = {"caches": ["fp", "oiq-4"], "summary": s, "records": recs, "lengths": [512], "completed": 7,
            "planned": 7, "trials_per_cell": 7, "depths": [0.5], "texts": ["a"]}
-    lines = {line.split(" ")[1]: line for line in ev.needle_stats_markdown(res).splitlines() if line.startswith("- #")}
+    lines = {line.split(" ")[1]: line for line in needle_stats_markdown(res).splitlines() if line.startswith("- #")}
     assert set(lines) == {"#4", "#5", "#6"}
     assert "fp's first-token margin 0.050 = 0.22 sd of oiq-4's, a coin flip;" in lines["#4"]
     assert "= 2.17 sd of oiq-4's;" in lines["#5"] and "coin flip" not in lines["#5"]
@@ -227,19 +230,19 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     def answers(model, tokenizer, ids, specs, **kw):
         text = tokenizer.decode(ids)
         key = text.split("The pass key is ")[1][:5]
-        needle = ev.NEEDLE_TEMPLATE.format(key=key)
-        depth = text.index(needle) / (text.index(ev.QUESTION) - len(needle))
+        needle = nd.NEEDLE_TEMPLATE.format(key=key)
+        depth = text.index(needle) / (text.index(nd.QUESTION) - len(needle))
         calls.append(key)
         wrong = {"oiq-4": depth < 0.3, "fp": depth > 0.7, "oiq-3": False}
         return {s.name: {"answer": f" {int(key) + 1 if wrong[s.name] else key}.", "margins": [1.0], "seconds": 0.0}
                 for s in specs}
 
-    monkeypatch.setattr(ev, "trial_answers", answers)
-    hays = [ev.prepare_haystack(tok, "a", TEXT_A), ev.prepare_haystack(tok, "b", TEXT_B)]
+    monkeypatch.setattr(ns, "trial_answers", answers)
+    hays = [nd.prepare_haystack(tok, "a", TEXT_A), nd.prepare_haystack(tok, "b", TEXT_B)]
     specs = [parse_spec("fp"), parse_spec("oiq-4")]
     kw = dict(haystacks=hays, lengths=(600, 1200), depths=(0.0, 0.5, 1.0), trials=4, seed=2, chat=False)
     seen = []
-    res = ev.needle_stats(None, tok, specs, checkpoint=lambda r: seen.append(r["completed"]), **kw)
+    res = ns.needle_stats(None, tok, specs, checkpoint=lambda r: seen.append(r["completed"]), **kw)
     assert res["completed"] == res["planned"] == 24 and seen == list(range(1, 25))
     by_depth = {d: [r for r in res["records"] if r["depth"] == d] for d in (0.0, 0.5, 1.0)}
     assert all(not r["results"]["oiq-4"]["hit"] and r["results"]["fp"]["hit"] for r in by_depth[0.0])
@@ -247,7 +250,7 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     p = res["summary"]["oiq-4"]["paired"]
     assert (p["both"], p["ref_only"], p["other_only"], p["neither"]) == (8, 8, 8, 0)
     assert res["summary"]["fp"]["all"]["hits"] == 16
-    md = ev.needle_stats_markdown(res)
+    md = needle_stats_markdown(res)
     assert "| oiq-4 |" in md and "8/16" in md
     assert md.count("\n- #") == 16  # every discordant trial listed
     json.dumps(res)
@@ -255,21 +258,21 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     # resuming keeps finished trials and runs only the missing ones
     calls.clear()
     part = res["records"][:10]
-    res2 = ev.needle_stats(None, tok, specs, done=part, **kw)
+    res2 = ns.needle_stats(None, tok, specs, done=part, **kw)
     assert len(calls) == 14 and res2["records"] == res["records"]
     other_plan = dict(kw, seed=3)
     with pytest.raises(ValueError, match="differs from this plan"):
-        ev.needle_stats(None, tok, specs, done=part, **other_plan)
+        ns.needle_stats(None, tok, specs, done=part, **other_plan)
 
     # with the earlier run's specs, a cache added later runs alone on the finished
     # trials, a cache whose configuration changed under its name runs again, and
     # results of caches not named now are carried over
     ran = []
-    monkeypatch.setattr(ev, "trial_answers", lambda m, t, ids, specs, **k: ran.append([s.name for s in specs])
+    monkeypatch.setattr(ns, "trial_answers", lambda m, t, ids, specs, **k: ran.append([s.name for s in specs])
                         or answers(m, t, ids, specs, **k))
     added = [parse_spec("fp"), parse_spec("oiq-3")]
     saved = []
-    res3 = ev.needle_stats(None, tok, added, done=res["records"], done_specs=res["specs"], checkpoint=saved.append,
+    res3 = ns.needle_stats(None, tok, added, done=res["records"], done_specs=res["specs"], checkpoint=saved.append,
                            **kw)
     assert ran == [["oiq-3"]] * 24 and res3["specs"].keys() == {"fp", "oiq-4", "oiq-3"}
     # a run stopped after its first trial keeps the earlier run's other 23 trials in its file
@@ -280,24 +283,24 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
                for r, o in zip(res3["records"], res["records"]))
     ran.clear()
     changed = dict(res3["specs"], fp=dict(res3["specs"]["fp"], bits=8))
-    ev.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, **kw)
+    ns.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, **kw)
     assert ran == [["fp"]] * 24
     # changed under its name with only some trials rerun: the others lose that cache's stale
     # answers (the file holds one configuration per name), and the next resume runs them
     ran.clear()
-    part4 = ev.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, only=[0, 1], **kw)
+    part4 = ns.needle_stats(None, tok, added, done=res3["records"], done_specs=changed, only=[0, 1], **kw)
     assert ran == [["fp"]] * 2
     assert [sorted(r["results"]) for r in part4["records"][1:3]] == [["fp", "oiq-3", "oiq-4"], ["oiq-3", "oiq-4"]]
     assert part4["completed"] == 2 and part4["summary"]["fp"]["all"]["n"] == 2
     ran.clear()
-    ev.needle_stats(None, tok, added, done=part4["records"], done_specs=part4["specs"], **kw)
+    ns.needle_stats(None, tok, added, done=part4["records"], done_specs=part4["specs"], **kw)
     assert ran == [["fp"]] * 22
     ran.clear()  # a reworded description is not another configuration
     reworded = dict(res3["specs"], fp=dict(res3["specs"]["fp"], description="another fp"))
-    ev.needle_stats(None, tok, added, done=res3["records"], done_specs=reworded, **kw)
+    ns.needle_stats(None, tok, added, done=res3["records"], done_specs=reworded, **kw)
     assert ran == []
     ran.clear()
-    ev.needle_stats(None, tok, added, done=res3["records"], done_specs=None, **kw)
+    ns.needle_stats(None, tok, added, done=res3["records"], done_specs=None, **kw)
     assert ran == []  # a file without specs: records that have every cache are kept whole
 
     # only: a few trials rerun with another cache; the stored trials are kept, and the
@@ -305,7 +308,7 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     ran.clear()
     missed = [r["index"] for r in res["records"] if not r["results"]["oiq-4"]["hit"]]
     pick = missed[:3]
-    res4 = ev.needle_stats(None, tok, [parse_spec("fp"), parse_spec("oiq-3")], done=res["records"],
+    res4 = ns.needle_stats(None, tok, [parse_spec("fp"), parse_spec("oiq-3")], done=res["records"],
                            done_specs=res["specs"], only=[pick[2], pick[0], pick[1], pick[0]], **kw)
     assert ran == [["oiq-3"]] * 3 and res4["only"] == sorted(pick)
     assert [r["index"] for r in res4["records"]] == list(range(24))
@@ -315,10 +318,10 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     assert all(r["results"]["oiq-3"]["answer"] == f" {r['passkey']}." for r in rows)
     p4 = res4["summary"]["oiq-3"]["paired"]
     assert (p4["both"] + p4["ref_only"] + p4["other_only"] + p4["neither"], p4["other_only"]) == (3, 0)
-    assert "only trials " + ", ".join(f"#{i}" for i in sorted(pick)) in ev.needle_stats_markdown(res4)
+    assert "only trials " + ", ".join(f"#{i}" for i in sorted(pick)) in needle_stats_markdown(res4)
     for bad in ([24], [-1], []):
         with pytest.raises(ValueError, match="indices 0..23"):
-            ev.needle_stats(None, tok, specs, only=bad, **kw)
+            ns.needle_stats(None, tok, specs, only=bad, **kw)
 
     # attribute: stored trials without the hybrids run again, fp included (its prefill is what
     # they read); the hybrids' hits are scored like the answers; a second resume runs nothing
@@ -332,9 +335,9 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
                                               "prefill": {"answer": " 2.", "margins": [0.5], "first_token": 2}}
         return out
 
-    monkeypatch.setattr(ev, "trial_answers", attributed)
+    monkeypatch.setattr(ns, "trial_answers", attributed)
     ran.clear()
-    res5 = ev.needle_stats(None, tok, specs, done=res["records"], done_specs=res["specs"], only=pick, attribute=True,
+    res5 = ns.needle_stats(None, tok, specs, done=res["records"], done_specs=res["specs"], only=pick, attribute=True,
                            **kw)
     assert ran == [["fp", "oiq-4"]] * 3
     for r in res5["records"]:
@@ -346,7 +349,7 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     assert att["n"] == sum(r["results"]["fp"]["hit"] for r in res5["records"] if r["index"] in pick)
     assert att["prefill"]["mean"] == pytest.approx(-1.5) and att["read"]["hits"] == 0
     ran.clear()
-    ev.needle_stats(None, tok, specs, done=res5["records"], done_specs=res5["specs"], only=pick, attribute=True, **kw)
+    ns.needle_stats(None, tok, specs, done=res5["records"], done_specs=res5["specs"], only=pick, attribute=True, **kw)
     assert ran == []
 
 
@@ -373,16 +376,16 @@ def test_shared_first_chunk_gives_generate_steps_answers(length, step):
     ids = tok.encode((TEXT_A * 3)[:length])
     specs = [parse_spec("fp"), parse_spec("oiq-4"), parse_spec("oiq-2"), parse_spec("mlx-q4-g32"),
              parse_spec("preset:4bit[window=16,positional=true]")]
-    assert not ev.exact_first_chunk(specs[-1])  # its prompt runs through generate_step, not the replay
-    shared = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step)
-    alone = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=False)
+    assert not nd.exact_first_chunk(specs[-1])  # its prompt runs through generate_step, not the replay
+    shared = nd.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step)
+    alone = nd.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=False)
     for n in shared:
         assert shared[n]["answer"] == alone[n]["answer"], n
         np.testing.assert_allclose(shared[n]["margins"], alone[n]["margins"], atol=2e-3, err_msg=n)
 
     n1 = min(step, length - 1)
-    _, log = ev.record_first_chunk(model, ids, n1)
-    replayed = ev.replay_first_chunk(parse_spec("oiq-4").make_cache(model), log)
+    _, log = nd.record_first_chunk(model, ids, n1)
+    replayed = nd.replay_first_chunk(parse_spec("oiq-4").make_cache(model), log)
     direct = parse_spec("oiq-4").make_cache(model)
     model(mx.array(ids[:n1])[None], cache=direct)
     for a, b in zip(replayed, direct):
@@ -402,7 +405,7 @@ def test_attribution_hybrids_are_built_from_the_right_rows(step, oiq, share):
     model, tok = tiny_llama(), CharTokenizer()
     ids = tok.encode((TEXT_A * 3)[:300])
     specs = [parse_spec("fp"), parse_spec(oiq)]
-    out = ev.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=share,
+    out = nd.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=share,
                            attribute=True)
     a = out[oiq]["attribution"]
     assert "attribution" not in out["fp"]
@@ -410,12 +413,12 @@ def test_attribution_hybrids_are_built_from_the_right_rows(step, oiq, share):
         assert (hybrid["answer"], hybrid["first_token"]) == (like["answer"], like["first_token"])
         np.testing.assert_allclose(hybrid["margins"], like["margins"], atol=2e-3)
     with pytest.raises(ValueError, match="fp cache as the first"):
-        ev.trial_answers(model, tok, ids, specs[::-1], attribute=True)
+        nd.trial_answers(model, tok, ids, specs[::-1], attribute=True)
 
 
 def test_call_log_keeps_the_prompt_calls_and_restores_the_methods():
     cache = [parse_spec("fp").make_cache(tiny_llama())[0]]
-    with ev._CallLog(cache) as log:
+    with nd._CallLog(cache) as log:
         for n in (5, 3, 1, 1):
             cache[0].update_and_fetch(mx.zeros((1, 2, n, 32)), mx.zeros((1, 2, n, 32)))
     assert "update_and_fetch" not in vars(cache[0]) and cache[0].offset == 10
@@ -439,23 +442,23 @@ def test_margin_attribution_constructed():
             rec(2, (False, 0.5), (True, 9.0), (True, 9.0), (True, 9.0))]  # fp's miss: not counted
     recs.append({**rec(3, (True, 1.0), (True, 1.0), (True, 1.0), (True, 1.0))})
     del recs[-1]["results"]["oiq-4"]["attribution"]  # a trial run without --attribute: not counted
-    a = ev.margin_attribution(recs, "fp", "oiq-4")
+    a = stats.margin_attribution(recs, "fp", "oiq-4")
     assert a["n"] == 2
     assert a["full"]["mean"] == pytest.approx((-0.4 - 0.5) / 2) and a["full"]["hits"] == 1
     assert a["read"]["mean"] == pytest.approx((-0.3 - 0.2) / 2) and a["read"]["hits"] == 2
     assert a["prefill"]["mean"] == pytest.approx((0.1 - 0.4) / 2)
     assert a["prefill"]["sd"] == pytest.approx(np.std([0.1, -0.4], ddof=1)) and a["prefill"]["hits"] == 1
-    assert ev.margin_attribution(recs[2:], "fp", "oiq-4") is None
+    assert stats.margin_attribution(recs[2:], "fp", "oiq-4") is None
     recs[1]["depth"] = 1.0
-    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    s = stats.summarize_needle_trials(recs, ["fp", "oiq-4"])
     by = s["oiq-4"]["attribution"].pop("by_depth")
     assert s["oiq-4"]["attribution"] == a and "attribution" not in s["fp"]
-    assert by == {"0.5": ev.margin_attribution(recs[:1], "fp", "oiq-4"),
-                  "1.0": ev.margin_attribution(recs[1:2], "fp", "oiq-4")}
+    assert by == {"0.5": stats.margin_attribution(recs[:1], "fp", "oiq-4"),
+                  "1.0": stats.margin_attribution(recs[1:2], "fp", "oiq-4")}
     s["oiq-4"]["attribution"]["by_depth"] = by
     res = {"caches": ["fp", "oiq-4"], "summary": s, "records": recs, "lengths": [512], "completed": 4,
            "planned": 4, "trials_per_cell": 4, "depths": [0.5], "texts": ["a"]}
-    md = ev.needle_stats_markdown(res)
+    md = needle_stats_markdown(res)
     assert ("oiq-4, where the first answer token's margin goes (2 trials fp retrieves" in md
             and "the cache -0.45 ± 0.07 (1/2 retrieved); reading it after fp's prefill -0.25 ± 0.07 (2/2 "
             "retrieved); its prefill's keys and values read exactly -0.15 ± 0.35 (1/2 retrieved)." in md)
@@ -465,7 +468,7 @@ def test_margin_attribution_constructed():
 
 def test_record_first_chunk_restores_the_cache_methods():
     model = tiny_llama()
-    cache, log = ev.record_first_chunk(model, list(range(40)), 30)
+    cache, log = nd.record_first_chunk(model, list(range(40)), 30)
     assert all(k.shape[2] == 30 for k, _ in log)
     assert all("update_and_fetch" not in vars(c) for c in cache)
     assert all(c.offset == 30 for c in cache)
@@ -482,7 +485,7 @@ def test_record_first_chunk_refuses_shared_layers():
             return model(inputs, cache=[cache[0], cache[0]])
 
     with pytest.raises(ValueError, match="written twice"):
-        ev.record_first_chunk(Shared(), list(range(20)), 10)
+        nd.record_first_chunk(Shared(), list(range(20)), 10)
 
 
 def test_script_rejects_bad_options():
@@ -500,7 +503,7 @@ def test_script_rejects_bad_options():
 def test_script_end_to_end_on_smollm2(tmp_path):
     out_json, out_md = tmp_path / "n.json", tmp_path / "n.md"
     texts = tmp_path / "t1.txt"
-    texts.write_text(ev.load_text(None)[20000:40000], encoding="utf-8")
+    texts.write_text(quality.load_text(None)[20000:40000], encoding="utf-8")
     cmd = [sys.executable, str(ROOT / "scripts" / "needle_stats.py"), "--lengths", "160", "--depths", "0.5",
            "--trials", "2", "--caches", "fp,oiq-4", "--texts", str(texts), "--json", str(out_json),
            "--markdown", str(out_md)]
@@ -527,7 +530,7 @@ def test_margin_noise_constructed():
     recs = [rec(0, (True, " 1.", [2.0, 1.0]), (True, " 1.", [2.3, 0.9])),   # changes +0.3, -0.1
             rec(1, (False, " x", [0.5, 1.5]), (False, " x", [0.4, 1.8])),   # fp misses: paired, -0.1 +0.3
             rec(2, (True, " 2.", [0.2, 3.0]), (False, " 3.", [0.1, 3.0]))]  # other answers: not paired
-    c = ev.margin_noise(recs, "fp", "oiq-4")
+    c = stats.margin_noise(recs, "fp", "oiq-4")
     d = np.array([0.3, -0.1, -0.1, 0.3])
     rms = float(np.sqrt(np.mean(d * d)))
     assert c["tokens"] == 4 and c["mean"] == pytest.approx(0.1) and c["rms"] == pytest.approx(rms)
@@ -544,18 +547,18 @@ def test_margin_noise_constructed():
     at = lambda s: (1 - phi(-2.0 / s)) * (1 - phi(-1.0 / s)) * (1 - phi(-0.2 / s)) * (1 - phi(-3.0 / s))  # noqa: E731
     assert at(t) == pytest.approx(0.9, abs=1e-6)
     # already quiet enough: the largest deviation that still keeps the chance, above the measured one
-    half = ev.margin_noise(recs, "fp", "oiq-4", p_target=0.5)
+    half = stats.margin_noise(recs, "fp", "oiq-4", p_target=0.5)
     assert half["p_no_miss"] > 0.5 and half["rms_for_target"] > rms
     assert at(half["rms_for_target"]) == pytest.approx(0.5, abs=1e-6)
     # no paired tokens, or no fp hit: nothing to say
-    assert ev.margin_noise(recs[2:], "fp", "oiq-4") is None
-    assert ev.margin_noise(recs[1:2], "fp", "oiq-4") is None
+    assert stats.margin_noise(recs[2:], "fp", "oiq-4") is None
+    assert stats.margin_noise(recs[1:2], "fp", "oiq-4") is None
     # the summary carries it and the report prints it
-    s = ev.summarize_needle_trials(recs, ["fp", "oiq-4"])
+    s = stats.summarize_needle_trials(recs, ["fp", "oiq-4"])
     assert s["oiq-4"]["margin_noise"] == c and "margin_noise" not in s["fp"]
     res = {"caches": ["fp", "oiq-4"], "summary": s, "records": recs, "lengths": [512], "completed": 3,
            "planned": 3, "trials_per_cell": 3, "depths": [0.5], "texts": ["a"]}
-    report = ev.needle_stats_markdown(res)
+    report = needle_stats_markdown(res)
     assert f"oiq-4: rms {rms:.3f} (mean +0.100) over 4 tokens" in report
     assert f"needs rms <= {t:.3f}; fp's narrowest hits: #2 0.20, #0 1.00)" in report
     # the miss of #2 is put in units of that noise (fp's narrowest margin there: 0.2)
@@ -575,18 +578,18 @@ def test_report_of_merged_runs(monkeypatch, tmp_path):
         return {s.name: {"answer": f" {int(key) + 1 if wrong[s.name] else key}.", "margins": [0.5, 1.0],
                          "seconds": 0.0} for s in specs}
 
-    monkeypatch.setattr(ev, "trial_answers", answers)
-    hays = [ev.prepare_haystack(tok, "a", TEXT_A), ev.prepare_haystack(tok, "b", TEXT_B)]
+    monkeypatch.setattr(ns, "trial_answers", answers)
+    hays = [nd.prepare_haystack(tok, "a", TEXT_A), nd.prepare_haystack(tok, "b", TEXT_B)]
     specs = [parse_spec("fp"), parse_spec("oiq-4")]
     kw = dict(haystacks=hays, lengths=(600,), depths=(0.0, 0.5, 1.0), trials=4, seed=5, chat=False)
-    whole = ev.needle_stats(None, tok, specs, **kw)
-    even = ev.needle_stats(None, tok, specs, only=list(range(0, 12, 2)), **kw)
-    odd = ev.needle_stats(None, tok, specs, only=list(range(1, 12, 2)), **kw)
+    whole = ns.needle_stats(None, tok, specs, **kw)
+    even = ns.needle_stats(None, tok, specs, only=list(range(0, 12, 2)), **kw)
+    odd = ns.needle_stats(None, tok, specs, only=list(range(1, 12, 2)), **kw)
     merged = json.loads(json.dumps(even))
     merged["records"] = sorted(merged["records"] + odd["records"], key=lambda r: r["index"])
     merged["only"] = None
     assert merged["completed"] == 6 and merged["summary"] != whole["summary"]  # the stale summary of one half
-    fixed = ev.resummarize_needle(merged)
+    fixed = ns.resummarize_needle(merged)
     assert fixed["completed"] == 12
     assert json.loads(json.dumps(fixed["summary"])) == json.loads(json.dumps(whole["summary"]))
     p = whole["summary"]["oiq-4"]["paired"]
@@ -598,7 +601,7 @@ def test_report_of_merged_runs(monkeypatch, tmp_path):
     out = subprocess.run(script + ["--report", str(path), "--markdown", str(md)], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    expected = ev.needle_stats_markdown(json.loads(json.dumps(whole)))
+    expected = needle_stats_markdown(json.loads(json.dumps(whole)))
     assert out.stdout.strip() == expected.strip() == md.read_text().strip()
     assert "12/12 trials" in out.stdout and path.read_text() == json.dumps(merged)  # the file is left as it was
 

@@ -113,7 +113,7 @@ class CacheSpec:
         counting every float as fp16 (2 bytes): what the cache costs per token once the
         context is long.  What a cache allocates at a given length (sinks, window,
         reserve, means, spare capacity) is measured, not computed: its ``nbytes``
-        (:func:`oiq_mlx.eval.evaluation.allocated_bytes_per_token`).  ``layers``: the
+        (:func:`oiq_mlx.eval.perplexity.allocated_bytes_per_token`).  ``layers``: the
         model's OIQ layer indices, needed (and averaged over) when the config has
         ``layer_bits``.  ``ValueError`` for a ``layer_bits=auto`` spec not
         calibrated yet (its bytes depend on the prompt).

@@ -1,10 +1,10 @@
 """Fidelity sweeps: OIQ presets and levers against the full-precision cache
 and mlx-lm's quantized cache, at equal bytes per token.
 
-The measurement itself is :func:`oiq_mlx.eval.evaluation.perplexity_eval` (prefill
+The measurement itself is :func:`oiq_mlx.eval.perplexity.perplexity_eval` (prefill
 a prompt through the cache, then score the continuation fed in chunks through
 the same cache; perplexity, KL(fp || cache), top-1 agreement) and
-:func:`oiq_mlx.eval.evaluation.attention_fidelity` (per-layer attention-output
+:func:`oiq_mlx.eval.fidelity.attention_fidelity` (per-layer attention-output
 cosine).  This module adds:
 
 * caches by text through the shared registry (:func:`oiq_mlx.eval.specs.parse_spec`,
@@ -30,9 +30,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import qwen2
 
-from . import evaluation
 from ..mlx_lm.routing import install
 from ..mlx_lm.caches import model_head_dim, oiq_layer_indices
+from .perplexity import perplexity_eval
 from .specs import parse_spec
 
 
@@ -45,7 +45,7 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     (``nbytes`` of the cache after the evaluated ``prompt_len + score_len`` tokens,
     per token and KV head: everything it allocates, sinks, window, reserve, means
     and spare capacity, with the keys and values of a float16 model;
-    :func:`oiq_mlx.eval.evaluation.allocated_bytes_per_token`), ``layer_bits`` (OIQ:
+    :func:`oiq_mlx.eval.perplexity.allocated_bytes_per_token`), ``layer_bits`` (OIQ:
     the ``[layer, k_bits, v_bits]`` triples, one list per window, calibrated on
     each window's prompt for a ``layer_bits=auto`` spec; None otherwise), ``ppl``, ``ppl_delta``
     (relative to fp), ``kl``, ``top1``, ``tokens_per_s``."""
@@ -55,8 +55,8 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
         specs = [parse_spec("fp")] + [s for s in specs if s.kind != "fp"]
     head_dim = model_head_dim(model)
     layers = oiq_layer_indices(model)
-    res = evaluation.perplexity_eval(model, tokens, specs, prompt_len=prompt_len, score_len=score_len,
-                                     chunk=chunk, windows=windows, progress=progress)
+    res = perplexity_eval(model, tokens, specs, prompt_len=prompt_len, score_len=score_len,
+                          chunk=chunk, windows=windows, progress=progress)
     fp_ppl = res[specs[0].name]["ppl"]
     rows = []
     for s in specs:

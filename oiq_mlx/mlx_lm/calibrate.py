@@ -97,7 +97,7 @@ def layer_errors(model, tokens, config: OIQConfig, choices, *, records=None) -> 
             cfg = dataclasses.replace(config, k_bits=bits[0], v_bits=bits[1], layer_bits=())
             cache = OIQKVCache(cfg, layer_idx=li, head_dim=head_dim)
             cache.update_and_fetch(k, v)
-            # as evaluation._layer_attention: score what is stored, as later queries see it
+            # as oiq_mlx.eval.fidelity._layer_attention: score what is stored, as later queries see it
             cache.release_fresh()
             cache.end_prefill()
             o = oiq_attention(q, cache, scale=scale, mask="causal", sinks=sinks)
