@@ -18,10 +18,6 @@ import os
 import sys
 
 
-def _ints(text: str) -> list[int]:
-    return [int(b) for b in text.split(",") if b.strip()]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo",
@@ -66,6 +62,7 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from oiq_mlx.bench import latency as bench
+    from oiq_mlx.eval.specs import parse_ints
 
     if args.cpu:
         mx.set_default_device(mx.cpu)
@@ -74,7 +71,7 @@ def main(argv=None) -> int:
     attn_contexts = bench.parse_contexts(args.attn_contexts) if args.attn_contexts else contexts
     steps = args.decode_steps if args.decode_steps is not None else (20 if args.quick else 32)
     warmup = 2 if args.quick and args.warmup == 3 else args.warmup
-    specs = bench.default_specs(_ints(args.oiq_bits), _ints(args.mlx_bits), args.group_size)
+    specs = bench.default_specs(parse_ints(args.oiq_bits), parse_ints(args.mlx_bits), args.group_size)
 
     result = {"environment": bench.environment(), "command": sys.argv,
               "settings": {"contexts": contexts, "decode_steps": steps, "warmup": warmup,

@@ -24,10 +24,6 @@ import os
 import sys
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x[:-1]) * 1024 if x.endswith("k") else int(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", help="demo, gemma3, a .gguf path or an mlx-lm model id (default demo)")
@@ -56,13 +52,14 @@ def main(argv=None) -> int:
 
     import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core)
     from oiq_mlx.bench import server as server_bench
-    from oiq_mlx.eval.specs import split_spec_list
+    from oiq_mlx.eval.specs import parse_ints, split_spec_list
 
     specs = split_spec_list(args.caches)
     try:
         for s in specs:
             server_bench.server_args(s)
-        clients, lengths, memory_lengths = _ints(args.clients), _ints(args.lengths), _ints(args.memory_lengths)
+        clients, lengths = parse_ints(args.clients, k=True), parse_ints(args.lengths, k=True)
+        memory_lengths = parse_ints(args.memory_lengths, k=True)
         if args.memory_only:
             clients = lengths = []
         if args.memory_batch < 1:

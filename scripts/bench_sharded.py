@@ -22,10 +22,6 @@ import os
 import sys
 
 
-def _ints(text: str) -> list[int]:
-    return [int(b) for b in text.split(",") if b.strip()]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="random",
@@ -57,15 +53,16 @@ def main(argv=None) -> int:
 
     from oiq_mlx.bench import latency as bench
     from oiq_mlx.bench import sharded
+    from oiq_mlx.eval.specs import parse_ints
     from oiq_mlx.mlx_lm.models import load
 
     group = mx.distributed.init()
     shardings = [s.strip() for s in args.sharding.split(",") if s.strip()]
     contexts = bench.parse_contexts(args.contexts or ("512,2k" if args.quick else "1k,4k,16k"))
     steps = args.decode_steps if args.decode_steps is not None else (16 if args.quick else 32)
-    specs = bench.default_specs(_ints(args.oiq_bits), mlx_bits=())
+    specs = bench.default_specs(parse_ints(args.oiq_bits), mlx_bits=())
     if args.model == "random":
-        layers, hidden, heads, kv_heads, mlp = _ints(args.shape)
+        layers, hidden, heads, kv_heads, mlp = parse_ints(args.shape)
 
         def load_model():
             return sharded.random_model("qwen2", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads,

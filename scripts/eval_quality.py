@@ -25,15 +25,7 @@ import sys
 from oiq_mlx.eval.quality import (DEFAULT_CACHES, FULL_NEEDLE_CACHES, QUICK_NEEDLE_CACHES, EvalSettings,
                                   quick_settings, run_evaluation)
 from oiq_mlx.eval.report import markdown_table, save_plots
-from oiq_mlx.eval.specs import cache_registry, split_spec_list
-
-
-def _ints(text):
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def _floats(text):
-    return tuple(float(x) for x in text.split(",") if x)
+from oiq_mlx.eval.specs import cache_registry, parse_floats, parse_ints, split_spec_list
 
 
 def _names(text):
@@ -73,9 +65,9 @@ def main(argv=None):
     p.add_argument("--needle-caches", type=_names, default=None,
                    help=f"caches run in the needle test, or 'all' for every one of --caches "
                         f"(default {','.join(FULL_NEEDLE_CACHES)}; --quick: {','.join(QUICK_NEEDLE_CACHES)})")
-    p.add_argument("--needle-lengths", type=_ints, default=None,
+    p.add_argument("--needle-lengths", type=parse_ints, default=None,
                    help=f"needle prompt lengths in tokens, comma-separated (default {','.join(map(str, full.needle_lengths))})")
-    p.add_argument("--needle-depths", type=_floats, default=None,
+    p.add_argument("--needle-depths", type=parse_floats, default=None,
                    help=f"needle depths in [0,1], comma-separated (default {','.join(map(str, full.needle_depths))})")
     p.add_argument("--no-chat", action="store_true",
                    help="needle prompt without the model's chat template (plain text + question + answer prefix)")

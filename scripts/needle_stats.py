@@ -36,19 +36,11 @@ from oiq_mlx.eval.needle_stats import needle_stats, resummarize_needle
 from oiq_mlx.eval.progress import Progress
 from oiq_mlx.eval.quality import environment, load_model, load_text, select_caches
 from oiq_mlx.eval.report import needle_stats_markdown
-from oiq_mlx.eval.specs import split_spec_list
+from oiq_mlx.eval.specs import parse_floats, parse_ints, split_spec_list
 
 FULL = {"lengths": (2048, 4096, 8000), "depths": (0.0, 0.25, 0.5, 0.75, 1.0), "trials": 12,
         "caches": ("fp", "oiq-4", "oiq-3")}
 QUICK = {"lengths": (512,), "depths": (0.1, 0.5, 0.9), "trials": 4, "caches": ("fp", "oiq-4")}
-
-
-def _ints(text):
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def _floats(text):
-    return tuple(float(x) for x in text.split(",") if x)
 
 
 def main(argv=None):
@@ -62,10 +54,10 @@ def main(argv=None):
                    help=f"comma-separated caches (registry names such as fp16 (float16 keys and values), preset:NAME[...], oiq[...], mlx:B[:G]); fp is "
                         f"always added first as the paired reference (default {','.join(FULL['caches'])}; "
                         f"--quick: {','.join(QUICK['caches'])})")
-    p.add_argument("--lengths", type=_ints, default=None,
+    p.add_argument("--lengths", type=parse_ints, default=None,
                    help=f"prompt lengths in tokens (default {','.join(map(str, FULL['lengths']))}; "
                         f"--quick: {','.join(map(str, QUICK['lengths']))})")
-    p.add_argument("--depths", type=_floats, default=None,
+    p.add_argument("--depths", type=parse_floats, default=None,
                    help=f"needle depths in [0, 1] (default {','.join(map(str, FULL['depths']))}; "
                         f"--quick: {','.join(map(str, QUICK['depths']))})")
     p.add_argument("--trials", type=int, default=None,
@@ -80,7 +72,7 @@ def main(argv=None):
                    help="prefill the whole prompt once per cache; by default the first prefill chunk is computed "
                         "once in fp and replayed into the fp and OIQ caches (both attend to it exactly), which "
                         "gives the same answers up to float rounding")
-    p.add_argument("--only", type=_ints, default=None,
+    p.add_argument("--only", type=parse_ints, default=None,
                    help="run just these trials of the plan: comma-separated indices as the report lists them "
                         "('#4' is 4; 0 to trials x cells - 1), e.g. the ones a cache missed, with other caches. "
                         "The same plan options as the run they come from pick the same trials; with --resume "

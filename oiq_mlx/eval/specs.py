@@ -20,6 +20,9 @@ A configuration is named by text that :func:`parse_spec` reads:
 * the named entries of :func:`cache_registry` (``mlx-q4-g64``, ``oiq-4``,
   ``oiq-plain-3``, ``absmax-4``, ...), and ``mlx-qB`` / ``oiq-Nbit``, the
   names ``bench_latency.py`` has always printed (group 64; preset ``Nbit``).
+
+A list of them on a command line is split by :func:`split_spec_list`; the numbers the scripts take
+as lists (lengths, depths, bits) by :func:`parse_ints` and :func:`parse_floats`.
 """
 
 from __future__ import annotations
@@ -297,3 +300,16 @@ def _oiq_spec(name: str, cfg: OIQConfig, desc: str, auto: dict) -> CacheSpec:
 def split_spec_list(text: str) -> list[str]:
     """Split a comma-separated list of names, keeping commas inside ``[...]``."""
     return [x.strip() for x in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text) if x.strip()]
+
+
+def parse_ints(text: str, *, k: bool = False) -> tuple[int, ...]:
+    """Comma-separated integers, ``"512,1024"`` -> ``(512, 1024)``; empty items are skipped.  With
+    ``k``, an item may end in ``k`` for times 1024 (``"2k"`` -> 2048), as lengths in tokens are
+    written.  Raises ``ValueError`` on anything else (argparse reports it when this is a ``type``)."""
+    items = [x.strip() for x in text.split(",")]
+    return tuple(int(x[:-1]) * 1024 if k and x.endswith("k") else int(x) for x in items if x)
+
+
+def parse_floats(text: str) -> tuple[float, ...]:
+    """Comma-separated numbers, ``"0,0.5,1"`` -> ``(0.0, 0.5, 1.0)``; empty items are skipped."""
+    return tuple(float(x) for x in (x.strip() for x in text.split(",")) if x)
