@@ -54,11 +54,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true", help="run on the CPU backend even where Metal is available")
     args = parser.parse_args(argv)
 
-    try:
-        import oiq_mlx  # first: preloads OpenBLAS before mlx.core is imported
-    except ImportError:  # run from a checkout without installing
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import oiq_mlx  # noqa: F401
+    import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core is imported)
     import mlx.core as mx
 
     from oiq_mlx.bench import latency as bench

@@ -18,7 +18,6 @@ Examples:
 """
 
 import argparse
-import os
 import sys
 
 
@@ -44,11 +43,7 @@ def main(argv=None) -> int:
                         help="where rank 0 writes the JSON record (default bench_results/bench_sharded.json)")
     args = parser.parse_args(argv)
 
-    try:
-        import oiq_mlx  # first: preloads OpenBLAS before mlx.core is imported
-    except ImportError:  # run from a checkout without installing
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import oiq_mlx  # noqa: F401
+    import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core is imported)
     import mlx.core as mx
 
     from oiq_mlx.bench import latency as bench
