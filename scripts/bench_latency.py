@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core is imported)
     import mlx.core as mx
 
-    from oiq_mlx.bench import latency as bench
+    from oiq_mlx.bench import attention, latency as bench
     from oiq_mlx.eval.specs import parse_ints
 
     if args.cpu:
@@ -90,16 +90,16 @@ def main(argv=None) -> int:
     if args.mode in ("both", "attention"):
         hq, hkv, d = (int(x) for x in args.attn_shape.split(","))
         dtype = getattr(mx, args.attn_dtype) if args.attn_dtype else None
-        result["attention_runs"] = bench.run_attention(contexts=attn_contexts, specs=specs, steps=steps, warmup=warmup,
-                                                       n_q_heads=hq, n_kv_heads=hkv, head_dim=d, dtype=dtype)
+        result["attention_runs"] = attention.run_attention(contexts=attn_contexts, specs=specs, steps=steps, warmup=warmup,
+                                                           n_q_heads=hq, n_kv_heads=hkv, head_dim=d, dtype=dtype)
         print(f"## Attention only: one layer, B=1, {hq} query heads, {hkv} KV heads, d={d}, "
               f"backend {result['environment']['backend']}\n")
-        print(bench.attention_table(result["attention_runs"]) + "\n", flush=True)
+        print(attention.attention_table(result["attention_runs"]) + "\n", flush=True)
     hq, hkv, d = (int(x) for x in args.attn_shape.split(","))
-    result["dispatch_counts"] = bench.dispatch_counts(specs, n_q_heads=hq, n_kv_heads=hkv, head_dim=d)
+    result["dispatch_counts"] = attention.dispatch_counts(specs, n_q_heads=hq, n_kv_heads=hkv, head_dim=d)
     print(f"## Dispatches per layer per decode step: one layer, B=1, {hq} query heads, {hkv} KV heads, d={d}, "
           "2048 tokens, 32 steps (oiq_mlx.bench.trace; views not counted; Metal kernels counted off a Mac)\n")
-    print(bench.dispatch_table(result["dispatch_counts"]) + "\n", flush=True)
+    print(attention.dispatch_table(result["dispatch_counts"]) + "\n", flush=True)
     bench.save_json(result, args.json)
     print(f"bench: wrote {args.json}", file=sys.stderr)
     if not args.no_plots:

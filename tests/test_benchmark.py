@@ -17,7 +17,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
 
-from oiq_mlx.bench import latency as bench
+from oiq_mlx.bench import attention, latency as bench
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.config import OIQConfig
 
@@ -142,7 +142,7 @@ def test_kv_bytes_match_cache_formulas(model_result):
 
 def test_attention_mode():
     specs = bench.default_specs(oiq_bits=(4,), mlx_bits=(4,))
-    records = bench.run_attention(contexts=(40, 300), specs=specs, steps=2, warmup=1, n_q_heads=4, n_kv_heads=2,
+    records = attention.run_attention(contexts=(40, 300), specs=specs, steps=2, warmup=1, n_q_heads=4, n_kv_heads=2,
                                   head_dim=64, progress=None)
     assert len(records) == 2 * len(specs)
     by = {(r["context"], r["cache"]): r for r in records}

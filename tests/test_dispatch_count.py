@@ -4,7 +4,7 @@ and the path with the Metal kernels selected, counted with a recording launcher.
 import mlx.core as mx
 import pytest
 
-from oiq_mlx.bench import latency as bench
+from oiq_mlx.bench import attention, latency as bench
 from oiq_mlx.bench import trace
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.config import OIQConfig
@@ -17,7 +17,7 @@ STEPS = 2 * OIQKVCache.flush_block
 def _counts(name, kernels=False, dtype=mx.float32, steps=STEPS):
     spec = next(s for s in bench.default_specs((4, 3, 2), (4,)) if s.name == name)
     return trace.decode_dispatches(
-        lambda: bench.layer_cache(spec), lambda c, fetched, q: bench._attention_call(spec, c, fetched, q, 0.125),
+        lambda: bench.layer_cache(spec), lambda c, fetched, q: attention.attention_call(spec, c, fetched, q, 0.125),
         steps=steps, kernels=kernels, dtype=dtype, **SHAPE)
 
 

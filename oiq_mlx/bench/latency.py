@@ -7,9 +7,13 @@ noise from other processes hits all of them alike):
 * model (:func:`run_model`): a real model, the same prompt cut to each context
   length; prefill time, decode ms/token (every sample kept), KV bytes held
   (``nbytes`` summed over layers) and peak memory of prefill and decode;
-* attention (:func:`run_attention`): one layer with synthetic q/K/V, timing
-  the cache append (quantize) and the decode attention alone, the bytes that
-  attention reads per step and the resulting GB/s.
+* attention (:func:`oiq_mlx.bench.attention.run_attention`): one layer with
+  synthetic q/K/V, timing the cache append (quantize) and the decode attention
+  alone, the bytes that attention reads per step and the resulting GB/s.
+
+This module holds the cache configurations, the helpers both modes share, the
+model mode and the reporting (model table, plots, JSON); the attention mode and
+the dispatch counts of one decode step are in :mod:`oiq_mlx.bench.attention`.
 
 Peak memory comes from ``mx.get_peak_memory`` (tracked by the CPU allocator
 too), reported *over* the memory that was active before the measured work
@@ -21,7 +25,6 @@ started (model weights and other configurations' caches excluded).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import platform
@@ -32,13 +35,10 @@ import mlx.core as mx
 import mlx_lm
 import numpy as np
 from mlx_lm.generate import maybe_quantize_kv_cache
-from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..core.version import __version__
-from . import trace
 from ..core.platform import openblas_path
-from ..cache.attention import oiq_attention
 from ..cache.sequence import OIQKVCache
 from ..mlx_lm.routing import install
 from ..mlx_lm.models import default_text
@@ -121,19 +121,19 @@ def parse_contexts(text: str) -> list[int]:
     return out
 
 
-def _arrays(obj):
+def cache_arrays(obj):
     """Every mx.array a cache (or list of caches) holds."""
     if obj is None:
         return []
     if isinstance(obj, mx.array):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [a for x in obj for a in _arrays(x)]
+        return [a for x in obj for a in cache_arrays(x)]
     if isinstance(obj, OIQKVCache):
         return [a for side in (obj.k, obj.v) for a in _side_arrays(side).values()]
     if isinstance(obj, CacheList):
-        return _arrays(list(obj.caches))
-    return _arrays(getattr(obj, "keys", None)) + _arrays(getattr(obj, "values", None))
+        return cache_arrays(list(obj.caches))
+    return cache_arrays(getattr(obj, "keys", None)) + cache_arrays(getattr(obj, "values", None))
 
 
 def _side_arrays(side) -> dict:
@@ -145,7 +145,7 @@ def kv_nbytes(cache) -> int:
     return int(sum(c.nbytes for c in cache if not c.empty()))  # QuantizedKVCache.nbytes fails when empty
 
 
-def _stats(samples_ms) -> dict:
+def sample_stats(samples_ms) -> dict:
     a = np.asarray(samples_ms, dtype=np.float64)
     return {
         "median": float(np.median(a)),
@@ -156,7 +156,7 @@ def _stats(samples_ms) -> dict:
     }
 
 
-def _log(progress, msg):
+def log_progress(progress, msg):
     if progress is not None:
         print(msg, file=progress, flush=True)
 
@@ -177,6 +177,13 @@ def environment() -> dict:
         "versions": {"mlx": mx.__version__, "mlx_lm": mlx_lm.__version__, "oiq_mlx": __version__, "numpy": np.__version__},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def ratio_vs_mlx(row: dict, rows: list[dict], stats: str, name: str) -> None:
+    """An OIQ row's median over the mlx-lm quantized row of the same bits, measured alongside."""
+    mlx = next((r for r in rows if r["kind"] == "mlx" and r["bits"] == row["bits"]), None)
+    if row["kind"] == "oiq" and mlx is not None:
+        row[name] = row[stats]["median"] / mlx[stats]["median"]
 
 
 def _peak_since(active_before: int) -> int:
@@ -221,7 +228,7 @@ def _prefill(model, spec: CacheSpec, cache, tokens: list[int], chunk: int) -> tu
         t0 = time.perf_counter()
         model(mx.array(tokens[i : i + chunk])[None], cache=cache)
         after_chunk(spec, cache)
-        mx.eval(_arrays(cache))
+        mx.eval(cache_arrays(cache))
         seconds += time.perf_counter() - t0
         peak = max(peak, held + _peak_since(before))
     return seconds, peak
@@ -230,7 +237,7 @@ def _prefill(model, spec: CacheSpec, cache, tokens: list[int], chunk: int) -> tu
 def _decode_step(model, cache, token: int):
     logits = model(mx.array([[token]]), cache=cache)
     nxt = mx.argmax(logits[:, -1, :], axis=-1)
-    mx.eval(nxt, _arrays(cache))
+    mx.eval(nxt, cache_arrays(cache))
     return nxt
 
 
@@ -281,7 +288,7 @@ def run_model(
     for n in sorted(set(contexts)):
         n_prompt = n if max_ctx is None else min(n, max_ctx - n_dec)
         if n_prompt < 1 or (max_ctx is not None and n > max_ctx) or (stages and n_prompt <= stages[-1][1] + n_dec):
-            _log(progress, f"bench: skipping context {n}: the model's maximum is {max_ctx}")
+            log_progress(progress, f"bench: skipping context {n}: the model's maximum is {max_ctx}")
             continue
         stages.append((n, n_prompt))
     if not stages:
@@ -318,7 +325,7 @@ def run_model(
                 "decode_ms": [],
                 "decode_peak_bytes": 0,
             })
-            _log(progress, f"bench: ctx {n} {spec.name}: prefill to {n_prompt} tokens {seconds:.2f} s")
+            log_progress(progress, f"bench: ctx {n} {spec.name}: prefill to {n_prompt} tokens {seconds:.2f} s")
         for step in range(n_dec):
             token = tokens[n_prompt + step]
             for i, (cache, row) in enumerate(zip(caches, rows)):
@@ -342,50 +349,18 @@ def run_model(
             row["cache_tokens"] = _offset(cache)
             row["kv_bytes"] = kv_nbytes(cache)
             row["kv_layout"] = _layout(cache)
-            row["decode_ms_stats"] = _stats(row["decode_ms"])
+            row["decode_ms_stats"] = sample_stats(row["decode_ms"])
         fp = next((r for r in rows if r["kind"] == "fp"), None)
         for row in rows:
             if fp is not None:
                 row["decode_ratio_vs_fp"] = row["decode_ms_stats"]["median"] / fp["decode_ms_stats"]["median"]
                 row["kv_ratio_vs_fp"] = row["kv_bytes"] / fp["kv_bytes"]
-            _ratio_vs_mlx(row, rows, "decode_ms_stats", "decode_ratio_vs_mlx")
+            ratio_vs_mlx(row, rows, "decode_ms_stats", "decode_ratio_vs_mlx")
             st = row["decode_ms_stats"]
-            _log(progress, f"bench: ctx {n} {row['cache']}: decode {st['median']:.2f} ms/token "
-                           f"(p10 {st['p10']:.2f}, p90 {st['p90']:.2f}), KV {row['kv_bytes'] / 2**20:.1f} MiB")
+            log_progress(progress, f"bench: ctx {n} {row['cache']}: decode {st['median']:.2f} ms/token "
+                                   f"(p10 {st['p10']:.2f}, p90 {st['p90']:.2f}), KV {row['kv_bytes'] / 2**20:.1f} MiB")
         records.extend(rows)
     return records
-
-
-def _ratio_vs_mlx(row: dict, rows: list[dict], stats: str, name: str) -> None:
-    """An OIQ row's median over the mlx-lm quantized row of the same bits, measured alongside."""
-    mlx = next((r for r in rows if r["kind"] == "mlx" and r["bits"] == row["bits"]), None)
-    if row["kind"] == "oiq" and mlx is not None:
-        row[name] = row[stats]["median"] / mlx[stats]["median"]
-
-
-def dispatch_counts(specs, *, n_q_heads: int = 32, n_kv_heads: int = 8, head_dim: int = 128, context: int = 2048,
-                    steps: int = 32, kernels=(False, True)) -> list[dict]:
-    """Dispatches per layer per decode step of each configuration (``oiq_mlx.bench.trace``): the
-    reference path, and for OIQ the path with the Metal kernels selected (counted off a Mac)."""
-    out = []
-    for spec in specs:
-        for k in kernels if spec.kind == "oiq" else (False,):
-            r = trace.decode_dispatches(
-                functools.partial(layer_cache, spec),
-                lambda c, fetched, q, spec=spec: _attention_call(spec, c, fetched, q, head_dim ** -0.5),
-                context=context, n_q_heads=n_q_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, steps=steps,
-                kernels=k)
-            out.append({"cache": spec.name, "kind": spec.kind, "path": "metal kernels" if k else "reference",
-                        "context": context, **{f: r[f] for f in ("min", "max", "mean", "breakdown")}})
-    return out
-
-
-def dispatch_table(records: list[dict]) -> str:
-    lines = ["| cache | path | dispatches per layer per decode step (steady) | costliest step | mean |",
-             "|---|---|---:|---:|---:|"]
-    for r in records:
-        lines.append(f"| {r['cache']} | {r['path']} | {r['min']} | {r['max']} | {r['mean']:.2f} |")
-    return "\n".join(lines)
 
 
 def _offset(cache) -> int:
@@ -413,125 +388,14 @@ def _layout(cache) -> list[dict]:
                 for w, side in (("k", c.k), ("v", c.v)) for name, a in _side_arrays(side).items()
             }})
         else:
-            out.append({"type": type(c).__name__, "arrays": [list(a.shape) + [str(a.dtype).split(".")[-1]] for a in _arrays(c)]})
+            out.append({"type": type(c).__name__, "arrays": [list(a.shape) + [str(a.dtype).split(".")[-1]] for a in cache_arrays(c)]})
     return out
-
-
-# -- attention mode ---------------------------------------------------------------
-
-
-def _attention_call(spec: CacheSpec, cache, fetched, q, scale):
-    if spec.kind == "oiq":
-        return oiq_attention(q, cache, scale=scale, mask=None)
-    keys, values = fetched
-    if spec.kind == "mlx":
-        return quantized_scaled_dot_product_attention(q, keys, values, scale=scale, mask=None,
-                                                      group_size=spec.group_size, bits=spec.bits)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=None)
-
-
-def attention_bytes_read(spec: CacheSpec, cache) -> int:
-    """Bytes of cached K/V one decode attention step reads (used tokens only,
-    not spare capacity): fp K and V; mlx-lm codes, scales and biases; OIQ
-    codes and scales of the packed segment plus the full-precision sink and
-    window rows (the per-head vectors, signs and means, are left out)."""
-    if spec.kind == "oiq":
-        sink_k, sink_v, quant, recent_k, recent_v = cache.segments()
-        parts = [sink_k, sink_v, recent_k, recent_v] + list(quant or ())
-        return int(sum(a.nbytes for a in parts if a is not None))
-    n = cache.offset
-    arrays = _arrays(cache)
-    return int(sum(a.nbytes // a.shape[2] * n for a in arrays))
-
-
-def run_attention(
-    *,
-    contexts,
-    specs,
-    steps: int = 20,
-    warmup: int = 3,
-    n_q_heads: int = 32,
-    n_kv_heads: int = 8,
-    head_dim: int = 128,
-    dtype=None,
-    fill_chunk: int = 2048,
-    seed: int = 0,
-    progress=sys.stderr,
-) -> list[dict]:
-    """One attention layer at decode, B = 1, synthetic Gaussian q/K/V.
-
-    Each cache is filled to ``n`` tokens, then every step appends one token
-    (``append_ms``: ``update_and_fetch`` and evaluating the cache, i.e. the
-    quantization of the token leaving the window for OIQ) and runs the decode
-    attention of one query (``attention_ms``).  ``dtype`` defaults to float16
-    on Metal and float32 elsewhere (float16 is emulated, slow, on x86).
-    """
-    if dtype is None:
-        dtype = mx.float16 if mx.metal.is_available() and mx.default_device() == mx.gpu else mx.float32
-    scale = head_dim ** -0.5
-    key = mx.random.key(seed)
-    records = []
-    for n in contexts:
-        caches, rows = [], []
-        for spec in specs:
-            cache = layer_cache(spec)
-            for i in range(0, n, fill_chunk):
-                m = min(fill_chunk, n - i)
-                k1, k2, key = mx.random.split(key, 3)
-                kv = mx.random.normal((2, 1, n_kv_heads, m, head_dim), key=k1).astype(dtype)
-                cache.update_and_fetch(kv[0], kv[1])
-                mx.eval(_arrays(cache))
-            if isinstance(cache, OIQKVCache):
-                cache.end_prefill()  # exact_prefill: the decode steps timed here read the prompt packed
-                mx.eval(_arrays(cache))
-            caches.append(cache)
-            rows.append({
-                "context": n, "cache": spec.name, **{k: v for k, v in describe(spec).items() if k != "name"},
-                "n_q_heads": n_q_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
-                "dtype": str(dtype).split(".")[-1], "append_ms": [], "attention_ms": [], "bytes_read": [],
-            })
-        _log(progress, f"bench: attention ctx {n}: caches filled")
-        for step in range(warmup + steps):
-            k1, k2, key = mx.random.split(key, 3)
-            kv = mx.random.normal((2, 1, n_kv_heads, 1, head_dim), key=k1).astype(dtype)
-            q = mx.random.normal((1, n_q_heads, 1, head_dim), key=k2).astype(dtype)
-            mx.eval(kv, q)
-            for spec, cache, row in zip(specs, caches, rows):
-                mx.synchronize()
-                t0 = time.perf_counter()
-                fetched = cache.update_and_fetch(kv[0], kv[1])
-                mx.eval(_arrays(cache))
-                t1 = time.perf_counter()
-                out = _attention_call(spec, cache, fetched, q, scale)
-                mx.eval(out)
-                t2 = time.perf_counter()
-                if step >= warmup:
-                    row["append_ms"].append((t1 - t0) * 1e3)
-                    row["attention_ms"].append((t2 - t1) * 1e3)
-                    row["bytes_read"].append(attention_bytes_read(spec, cache))
-        for cache, row in zip(caches, rows):
-            row["append_ms_stats"] = _stats(row["append_ms"])
-            row["attention_ms_stats"] = _stats(row["attention_ms"])
-            row["kv_bytes"] = int(cache.nbytes)
-            med_bytes = float(np.median(row["bytes_read"]))
-            row["bytes_read_per_step"] = int(med_bytes)
-            row["gb_per_s"] = med_bytes / (row["attention_ms_stats"]["median"] * 1e-3) / 1e9
-        fp = next((r for r in rows if r["kind"] == "fp"), None)
-        for row in rows:
-            _ratio_vs_mlx(row, rows, "append_ms_stats", "append_ratio_vs_mlx")
-            if fp is not None:
-                row["attention_ratio_vs_fp"] = row["attention_ms_stats"]["median"] / fp["attention_ms_stats"]["median"]
-            _log(progress, f"bench: attention ctx {n} {row['cache']}: append {row['append_ms_stats']['median']:.3f} ms, "
-                           f"attention {row['attention_ms_stats']['median']:.3f} ms, {row['gb_per_s']:.2f} GB/s")
-        records.extend(rows)
-        del caches
-    return records
 
 
 # -- reporting --------------------------------------------------------------------
 
 
-def _mib(b) -> str:
+def mib(b) -> str:
     return f"{b / 2**20:.1f}"
 
 
@@ -548,23 +412,7 @@ def model_table(records: list[dict]) -> str:
         name = r["cache"] + (f" ({r['kv_dtype']})" if r["kind"] == "fp" and r.get("kv_dtype") else "")
         lines.append(
             f"| {r['context']} | {name} | {r['prefill_s']:.2f} | {s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f}) | "
-            f"{ratio} | {_mib(r['kv_bytes'])} | {kvr} | {_mib(r['prefill_peak_bytes'])} | {_mib(r['decode_peak_bytes'])} |"
-        )
-    return "\n".join(lines)
-
-
-def attention_table(records: list[dict]) -> str:
-    lines = [
-        "| context | cache | append ms (p10-p90) | append vs mlx-lm same bits | attention ms (p10-p90) | vs fp | bytes read/step | GB/s |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in records:
-        a, t = r["append_ms_stats"], r["attention_ms_stats"]
-        ratio = f"{r['attention_ratio_vs_fp']:.2f}x" if "attention_ratio_vs_fp" in r else "-"
-        append_ratio = f"{r['append_ratio_vs_mlx']:.2f}x" if "append_ratio_vs_mlx" in r else "-"
-        lines.append(
-            f"| {r['context']} | {r['cache']} | {a['median']:.3f} ({a['p10']:.3f}-{a['p90']:.3f}) | {append_ratio} | "
-            f"{t['median']:.3f} ({t['p10']:.3f}-{t['p90']:.3f}) | {ratio} | {_mib(r['bytes_read_per_step'])} MiB | {r['gb_per_s']:.2f} |"
+            f"{ratio} | {mib(r['kv_bytes'])} | {kvr} | {mib(r['prefill_peak_bytes'])} | {mib(r['decode_peak_bytes'])} |"
         )
     return "\n".join(lines)
 
@@ -577,7 +425,7 @@ def write_plots(result: dict, folder, progress=sys.stderr) -> list[str]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        _log(progress, "bench: matplotlib is not installed; no plots written")
+        log_progress(progress, "bench: matplotlib is not installed; no plots written")
         return []
     os.makedirs(folder, exist_ok=True)
     backend = result["environment"]["backend"]

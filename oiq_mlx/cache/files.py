@@ -1,5 +1,18 @@
-"""The cache file format of :class:`~oiq_mlx.cache.OIQKVCache`: what its ``state`` holds and how a
-state is validated before anything is computed from it (``load_prompt_cache`` hands states back)."""
+"""The cache file format of :class:`~oiq_mlx.cache.OIQKVCache`: what its ``state`` holds
+(:func:`cache_state`), how a state is validated before anything is computed from it
+(:func:`parse_state`; ``load_prompt_cache`` hands states back) and how a cache takes it back
+(:func:`restore_state`).
+
+:attr:`OIQKVCache.state` (what ``save_prompt_cache`` writes) carries a format version and a
+digest of its metadata; ``from_state`` refuses, naming the field, a state whose arrays do not
+have exactly the shapes, dtypes and row counts the config and counters imply, whose counters
+contradict each other, whose sign vectors are not the config's, whose means or key scales are
+non-finite (or scales below 1), whose group scales are negative, infinite or 0/NaN over non-zero
+codes, or whose metadata does not match its digest.  Token data (codes, full-precision rows,
+means) may hold any value, so an edit of those values that keeps every shape (one head's codes
+copied over another's) is not detected: there is no checksum of the array data, which would cost
+a pass over the cache every prefill step (mlx-lm evaluates ``cache.state`` there).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +21,7 @@ import json
 
 import mlx.core as mx
 
+from ..core.codec import join_rows
 from ..core.config import OIQConfig
 from .common import DTYPES, expected_signs
 
@@ -25,6 +39,83 @@ def digest(meta: dict) -> str:
     leaves the arrays consistent (e.g. ``clip`` or ``window`` changed)."""
     fields = {k: meta[k] for k in sorted(meta) if k != "digest"}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def held_rows(cache) -> tuple[int, int, int]:
+    """Rows in use of the sink, the packed segment and the full-precision buffer of ``cache``."""
+    s = cache.config.sink_tokens
+    return min(s, cache.offset), max(0, cache.q_end - s), max(0, cache.offset - cache.recent_start)
+
+
+def cache_state(cache) -> list:
+    """What :attr:`OIQKVCache.state` returns: the arrays ``cache`` holds, trimmed to what is
+    used, and a JSON string.
+
+    ``[k_codes, k_scales, k_sink, k_recent, k_signs, k_mean, k_lam, (same for
+    values), metadata]``, None for an array not held.  The metadata carries
+    the format version, the config, the counters and a digest of itself;
+    :func:`parse_state` checks all of it against the arrays.
+    """
+    cfg = cache.config
+    n_sink, n_q, n_rec = held_rows(cache)
+    arrays = []
+    for side in (cache.k, cache.v):
+        arrays += [
+            None if side.codes is None else side.codes[:, :, :n_q],
+            None if side.scales is None else side.scales[:, :, :n_q],
+            None if side.sink is None else side.sink[:, :, :n_sink],
+            None if side.recent is None else side.recent[:, :, :n_rec],
+            side.signs,
+            side.mean,
+            side.lam,
+        ]
+    meta = {
+        "format": FORMAT_VERSION,
+        "config": cfg.to_json(),
+        "layer_idx": cache.layer_idx,
+        "offset": cache.offset,
+        "q_end": cache.q_end,
+        "recent_start": cache.recent_start,
+        "dtype": None if cache.dtype is None else str(cache.dtype).split(".")[-1],
+        "head_dims": [cache.k.head_dim, cache.v.head_dim],
+        "dims": [cache.k.dim, cache.v.dim],
+    }
+    if cache.layout is not None:
+        meta["layout"] = cache.layout
+    if cache.prefilling and cache.dtype is not None:
+        meta["prefilling"] = True  # the rows wait in full precision for end_prefill
+    meta["digest"] = digest(meta)
+    return arrays + [json.dumps(meta)]
+
+
+def restore_state(cache, v) -> dict:
+    """Make ``cache`` (an :class:`OIQKVCache`) hold the state ``v``, validated by
+    :func:`parse_state` first: its config, counters and arrays (rows past what the counters
+    hold dropped, format 1 converted).  Returns the metadata; the cache then sets what it
+    lays out itself (``OIQKVCache.state``'s setter: the exact_prefill flag and the buffers
+    keys and values share) when it holds anything (``dtype`` not null)."""
+    cfg, meta, sides = parse_state(v)
+    cache.__init__(cfg, layer_idx=meta["layer_idx"])
+    cache.layout = meta.get("layout")
+    cache.offset, cache.q_end, cache.recent_start = meta["offset"], meta["q_end"], meta["recent_start"]
+    if meta["dtype"] is None:
+        return meta
+    cache.dtype = DTYPES[meta["dtype"]]
+    n_sink, n_q, n_rec = held_rows(cache)
+    for i, (side, arrays) in enumerate(zip((cache.k, cache.v), sides)):
+        side.head_dim, side.dim = meta["head_dims"][i], meta["dims"][i]
+        side.rotated = cfg.rotation != "none"
+        side.signs, side.mean, side.lam = arrays["signs"], arrays["mean"], arrays["lam"]
+        # rows past what the counters hold are never read: they are dropped
+        side.sink = arrays["sink"][:, :, :n_sink]
+        side.recent = arrays["recent"][:, :, :n_rec] if n_rec else None
+        if meta.get("format", 1) < 2:
+            side.mean = None if side.mean is None else side.packed_to_window(side.mean)
+            side.sink = side.packed_to_window(side.sink).astype(cache.dtype)
+            if side.recent is not None:
+                side.recent = side.packed_to_window(side.recent).astype(cache.dtype)
+        side.rows = join_rows(arrays["codes"][:, :, :n_q], arrays["scales"][:, :, :n_q]) if n_q else None
+    return meta
 
 
 def _refuse(field: str, problem: str) -> ValueError:

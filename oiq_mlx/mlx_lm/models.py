@@ -115,7 +115,7 @@ def load(path_or_repo, *, dequantize: bool | None = None):
     """
     path = Path(os.fspath(path_or_repo)).expanduser()
     if path.suffix.lower() == ".gguf":
-        # imported here: gguf.py imports transformers (seconds), which only GGUF loading needs
+        # imported here: gguf/tokenizer.py imports transformers (seconds), which only GGUF loading needs
         from .gguf import load_gguf
 
         return load_gguf(path, dequantize=dequantize)
