@@ -10,7 +10,7 @@
 // the KV head times the L positions).  Positions [0, S) are sinks, [S, S+NQ)
 // packed, [S+NQ, S+NQ+NR) recent.
 //
-// Two domains (DESIGN.md section 13): the sink and recent rows are stored as
+// Two domains (DESIGN.md section 5): the sink and recent rows are stored as
 // the model gave them (minus the key mean) and are scored with q * scale; the
 // packed rows are r((k - m) / lam) and are scored with r(q * scale * lam),
 // rotated here in registers.  A slice never mixes segments (the first P_S

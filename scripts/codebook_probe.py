@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Would a 2-bit codebook beat the preset's clipped uniform grid at equal bytes?
 
-A probe of issue 16's codebook lever, on the data OIQ actually quantizes: the keys
+A probe of the codebook lever (DESIGN.md section 9), on the data OIQ actually quantizes: the keys
 and values a model produces on a text, after the cache's own transforms (mean
 removed, key scaling, randomized Hadamard rotation; sink tokens left out), in
 groups of ``group_size`` coordinates with one float16 scale per group and 2 bits

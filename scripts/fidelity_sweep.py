@@ -9,7 +9,7 @@ per-layer bits calibrated on each window's prompt, printed under the table).  Th
 
 Scoring feeds the continuation one token per call by default, through the
 decode path, exactly as generation does; about 100 s per cache on SmolLM2 on
-2 CPU cores.  Example (the README frontier, SmolLM2):
+2 CPU cores.  Example (SmolLM2, the frontier of docs/results.md):
 
     python scripts/fidelity_sweep.py --json fidelity.json mlx:4 mlx:3 mlx:2 \\
         preset:4bit preset:3bit preset:2bit "preset:2bit[group_size=64,window=12]"

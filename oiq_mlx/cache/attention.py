@@ -2,7 +2,7 @@
 
 The window and sinks hold keys and values as the model gave them, minus the
 side's mean (``k - m``); the packed segment holds ``r((k - m) / lam)`` (DESIGN.md
-sections 2 and 13).  So the window is scored with the query as given and the
+sections 2 and 5).  So the window is scored with the query as given and the
 packed segment with ``r(q * lam)``: both give ``q . (k - m)``, one constant
 ``q . m`` away from ``q . k`` for every key of a query, which softmax ignores.
 Values: the packed segment's share of the output is un-rotated once, and the
@@ -14,7 +14,7 @@ Two reference paths (plain MLX ops), picked by the number of queries:
   by matmul and of the packed segment by ``mx.quantized_matmul`` on the codes
   (no float copy of the quantized cache is made); one softmax over all
   segments; the elementwise steps are compiled, so a step of one layer is
-  about as many operations as mlx-lm's ``QuantizedKVCache`` (DESIGN.md section 13);
+  about as many operations as mlx-lm's ``QuantizedKVCache`` (DESIGN.md section 5);
 * prefill: the packed segment is dequantized into the window's domain for
   this layer only and ``mx.fast.scaled_dot_product_attention`` runs on the
   keys/values, so peak memory stays that of the full-precision cache of one

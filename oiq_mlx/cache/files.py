@@ -28,7 +28,7 @@ from .common import DTYPES, expected_signs
 FORMAT_VERSION = 2
 # Format 1 (and states without "format", oiq_mlx 0.1.0) stored the full-precision
 # rows rotated, r((x - m) / lam), and the mean as r(m / lam); format 2 stores
-# x - m and m (DESIGN.md section 13).  Older states are converted on load.
+# x - m and m (DESIGN.md section 5).  Older states are converted on load.
 READABLE_FORMATS = (1, 2)
 _ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
 _META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")

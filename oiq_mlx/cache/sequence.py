@@ -12,7 +12,7 @@ Token positions of one layer fall into three segments, in temporal order:
 The full-precision segments hold the vectors as the model gave them, minus the
 side's mean (with centering), in the model dtype: not rotated, so a decode step
 appends like mlx-lm's ``KVCache`` and only rows that get packed are rotated, in
-one quantize pass per block (DESIGN.md section 13).  Attention scores the window
+one quantize pass per block (DESIGN.md section 5).  Attention scores the window
 with the query as given and the packed segment with the rotated query, and
 un-rotates only the packed segment's share of the output (``attention.py``).
 The full-precision buffer also keeps ``trim_reserve`` tokens (rounded up to
@@ -20,7 +20,7 @@ whole blocks) that were already quantized, so ``trim`` of up to that many
 tokens restores the exact state a cache that never saw them has.
 Keys and values of equal width share buffers, stacked on a new first axis
 (``cache.k`` / ``cache.v`` hold views), so a step writes the window once and a
-packed block once (DESIGN.md section 13).
+packed block once (DESIGN.md section 5).
 Attention reads :meth:`OIQKVCache.attention_segments`, in which the rows the
 current ``update_and_fetch`` found in the window, and its own rows, are full
 precision even when the call already packed them.
@@ -58,11 +58,11 @@ class OIQKVCache(CacheReads, _BaseCache):
 
     # the packed buffers' capacity is a multiple of step rows, one block (flush_block): rows
     # are packed in whole blocks, so capacity is what is packed, plus one block only on the
-    # step between growing and packing (DESIGN.md section 13); mlx-lm's KVCache uses 256,
+    # step between growing and packing (DESIGN.md section 5); mlx-lm's KVCache uses 256,
     # which at 72 bytes per packed row would be up to 18 KB per KV head and layer unused
     step = 16
     # the full-precision buffer's capacity is a multiple of recent_step rows: at most
-    # window + reserve + one block once a call has ended (DESIGN.md section 13)
+    # window + reserve + one block once a call has ended (DESIGN.md section 5)
     recent_step = 16
     flush_block = 16
 
@@ -223,7 +223,7 @@ class OIQKVCache(CacheReads, _BaseCache):
     def _to_window(self, keys: mx.array, values: mx.array, skip: int, estimate: bool = True):
         """New keys and values as the window stores them: padded, minus the side's mean
         (estimated on the first chunk, its first ``skip`` tokens left out), in the
-        cache dtype.  Not rotated: only rows that get packed are (DESIGN.md section 13).
+        cache dtype.  Not rotated: only rows that get packed are (DESIGN.md section 5).
         Returns ``(keys, values, both)``: ``both`` stacks them on a new first axis (one
         elementwise pass) when their widths agree, else None."""
         k, v = self.k, self.v
@@ -279,7 +279,7 @@ class OIQKVCache(CacheReads, _BaseCache):
         Tokens leave the window in blocks of ``F = min(flush_block, window)`` (at
         least 1): the window holds between ``window`` and ``window + F - 1`` tokens,
         and a decode step quantizes nothing except once every ``F`` steps, when
-        one block of ``F`` rows goes through one quantize pass (DESIGN.md section 13).
+        one block of ``F`` rows goes through one quantize pass (DESIGN.md section 5).
         A function of ``offset`` alone, so ``trim`` can restore it.
         """
         cfg = self.config
@@ -425,7 +425,7 @@ class OIQKVCache(CacheReads, _BaseCache):
         (a prompt, a chunk) drops them as soon as it has any, so the buffer ends the call at
         window + reserve + one block at most; a decode step's packed block is dropped by the
         next step, whose write needs the room (:meth:`_reserve_recent`), so that packing and
-        compacting never share a step (DESIGN.md section 13)."""
+        compacting never share a step (DESIGN.md section 5)."""
         if self._call_tokens > 1 and self._keep_from() > self.recent_start:
             self._compact(self.offset, bh)
 
@@ -447,7 +447,7 @@ class OIQKVCache(CacheReads, _BaseCache):
 
     def _grow_before_packing(self, bh):
         """On the step before one that packs a block, grow the packed buffer if that block
-        will not fit: a decode step then never both packs and grows (DESIGN.md section 13)."""
+        will not fit: a decode step then never both packs and grows (DESIGN.md section 5)."""
         nxt = self.packed_end(self.offset + 1)
         s = self.config.sink_tokens
         if nxt > self.q_end > s:

@@ -3,8 +3,7 @@
 :class:`~oiq_mlx.cache.batch.BatchOIQKVCache` keeps one :class:`~oiq_mlx.cache.OIQKVCache`
 per sequence.  Run as they are, a decode step of ``B`` sequences writes and attends
 each cache on its own: ``B`` times the operations of one sequence, which on the CPU
-backend cost about half the throughput of mlx-lm's batched full-precision cache
-(issue 13).  While a batch only decodes (one token per sequence per step), this
+backend cost about half the throughput of mlx-lm's batched full-precision cache.  While a batch only decodes (one token per sequence per step), this
 module holds the batch's storage in arrays with the sequences on one axis:
 
 * ``sinks``  ``(2, B, H, S, d)``: keys and values of the sink tokens;

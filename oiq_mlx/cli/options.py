@@ -94,7 +94,7 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group(
         "OIQ cache",
         "Start from --preset (or OIQConfig() defaults) and override single fields; "
-        "see README 'Choosing a configuration'.",
+        "see docs/configuration.md.",
     )
     o.add_argument("--preset", default=None, help="named configuration: 4bit, 3bit or 2bit (see OIQConfig.preset)")
     o.add_argument("--k-bits", type=int, default=None, help="bits per key coordinate: 2, 3, 4, 5, 6 or 8")
@@ -264,6 +264,3 @@ def run(prog: str, main_fn, argv) -> int:
         except UsageError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
-
-
-# ---------------------------------------------------------------- generate

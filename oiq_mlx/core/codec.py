@@ -25,7 +25,7 @@ the decoded group ``s * u`` has the projection on ``y`` that ``y`` has:
 shrinks a group (by 3% at 3 bits and 11% at 2 bits on Gaussian groups of 32),
 which lowers the score of every key in the direction of a query that matches
 it, and most the score of the key that matches best; the aligned scale does not
-shrink, at about the clipped search's squared error (DESIGN.md section 14).
+shrink, at about the clipped search's squared error (DESIGN.md section 9).
 
 Storage is the layout of ``mx.quantize``: codes of one vector form one
 little-endian, LSB-first bit stream packed into uint32 words (value ``i`` in

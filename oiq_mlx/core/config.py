@@ -17,19 +17,18 @@ ROTATIONS = ("hadamard", "hadamard_nosigns", "none")
 # model's context, low enough that a typo (10**9) is an error, not an allocation.
 MAX_TOKENS = 1 << 24
 
-# Chosen by measurement (oiq_mlx.eval.sweep, scripts/fidelity_sweep.py; README
-# "Choosing a configuration"): perplexity and KL against the full-precision cache on
-# SmolLM2-135M and Gemma 3 270M at equal bytes per token.  The 3bit and 2bit key scaling
+# Chosen by measurement (oiq_mlx.eval.sweep, scripts/fidelity_sweep.py; docs/configuration.md):
+# perplexity and KL against the full-precision cache on SmolLM2-135M and Gemma 3 270M at equal bytes per token.  The 3bit and 2bit key scaling
 # (0.75) and the 2bit window (128) were chosen on three scored windows of Northanger Abbey,
 # Pride and Prejudice and a Qwen-style key-bias stand-in (768-token prompt, 256 tokens
 # scored one per call); Sense and Sensibility is the text held out from that choice.
 # The 3bit aligned scales (align_scales) came from the 16k Gemma 3 needle and the 4k
-# needles 3bit lost, and were kept on lower KL on all four texts (README).  With them the
+# needles 3bit lost, and were kept on lower KL on all four texts (docs/results.md).  With them the
 # clip search also helps 4bit: lower KL on every text and both models, and the 4k needle
 # K5V3 lost is found again.  3bit's key scaling became 0.5 capped at 2x (key_scaling_cap)
 # on the 2k and 4k needle plans, where 0.75 lost two needles to its keys, and on KL:
 # lower than 0.75's on SmolLM2 and no higher on Gemma 3, whose loud key channels (15-20x
-# the median) the cap brings down as far as 0.75 did (README "Needle in a haystack").
+# the median) the cap brings down as far as 0.75 did (docs/results.md).
 PRESETS = {
     "4bit": dict(k_bits=5, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5,
                  clip=True, align_scales=True, exact_prefill=16384),
@@ -89,8 +88,8 @@ def _check_int(name: str, value, minimum: int = 0, maximum: int | None = None) -
 class OIQConfig:
     """How an OIQ cache stores keys and values.
 
-    The defaults are the measured ``"4bit"`` preset (see :meth:`preset` and the
-    README's fidelity section): keys at 5 bits and values at 3 (K5V3, 4 bits per
+    The defaults are the measured ``"4bit"`` preset (see :meth:`preset` and
+    docs/configuration.md): keys at 5 bits and values at 3 (K5V3, 4 bits per
     coordinate on average, the bytes of K4V4), group 32, codes from the clip
     search with aligned scales, 4 sink tokens and a 64-token window in full
     precision, key mean removed, key scaling 0.5.
@@ -102,7 +101,7 @@ class OIQConfig:
         sink_tokens: the first S tokens of the sequence are kept in full precision.
         window: at least the most recent W tokens are kept in full precision;
             older tokens are packed in blocks of ``min(16, W)`` as they leave the
-            window, so it holds W to W + 15 tokens (DESIGN.md section 13).
+            window, so it holds W to W + 15 tokens (DESIGN.md section 5).
         quantize_after: nothing is quantized until the cache holds more than
             this many tokens (mlx-lm's ``quantized_kv_start``).
         clip: choose each group's scale by a per-group MSE search instead of
@@ -113,8 +112,7 @@ class OIQConfig:
             the stored group has the length the rotated vector has along itself
             (``codec.quantize(align=True)``).  The MSE-chosen scale shrinks
             groups, which lowers most the score of the key that best matches a
-            query: retrieval loses its needle first (README "Choosing a
-            configuration").
+            query: retrieval loses its needle first (docs/configuration.md).
         center_keys, center_values: subtract a per-head, per-channel mean
             (estimated on the first chunk written to the cache, usually the
             prompt) before quantizing.  Exact for attention: a key shift changes
@@ -136,7 +134,7 @@ class OIQConfig:
             median (SmolLM2: at most 2-4x); keys with channels 15-20x the
             median (Gemma 3's, after its key norm) need those brought further
             down, and the cap does that without shrinking the milder channels
-            more (README "Needle in a haystack").  0: no cap.  Without key
+            more (docs/results.md).  0: no cap.  Without key
             scaling (``key_scaling=0``) nothing is scaled, capped or not.
         trim_reserve: full-precision copies of this many tokens beyond the
             window are kept so that ``trim`` (speculative decoding) restores
@@ -164,8 +162,7 @@ class OIQConfig:
             written in one call is: each chunk attends the earlier ones exactly,
             and everything after the prompt reads what one call would have left
             packed.  Without it (0), later chunks read earlier ones packed, which
-            loses needles a one-call prompt keeps (README "Needle in a
-            haystack").  The price is the full-precision keys and values of up
+            loses needles a one-call prompt keeps (docs/results.md).  The price is the full-precision keys and values of up
             to this many tokens until the prompt is done, as mlx-lm's own cache
             holds them (every preset keeps up to 16384).  No effect with
             ``positional``, which stores the same however a prompt is split
@@ -238,7 +235,7 @@ class OIQConfig:
         name      d = 64   d = 128   what
         ========  =======  ========  ======================================================================
         ``4bit``  72       144       K5 V3 g32, clipped codes with aligned scales, key mean, key scaling 0.5
-        ``3bit``  56       112       K3 V3 g32, as 4bit but key scaling 0.75
+        ``3bit``  56       112       K3 V3 g32, as 4bit but key scaling 0.5 capped at 2x
         ``2bit``  40       80        K2 V2 g32, clipped codes with their MSE scales, value mean, window 128
         ========  =======  ========  ======================================================================
 
