@@ -24,13 +24,16 @@ from mlx_lm.models.cache import save_prompt_cache
 
 from .options import (
     DEFAULT_MODEL,
+    ArgumentParser,
     HelpFormatter,
     UsageError,
     add_model_options,
     add_oiq_options,
     build_cache,
     cache_label,
+    check_no_oiq,
     config_from_args,
+    exit_process,
     load_from_args,
     memory_line,
     read_prompt,
@@ -40,7 +43,7 @@ from ..mlx_lm.caches import end_prefill
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="oiq-cache-prompt",
         description="Cache the state of a prompt (e.g. a long document) in an OIQ-quantized KV cache, "
         "to be reused with `oiq-generate --prompt-cache-file`. Mirrors `mlx_lm.cache_prompt`.",
@@ -63,8 +66,9 @@ def _main(argv) -> int:
     prompt = read_prompt(args.prompt)
     if not prompt:
         raise UsageError("the prompt is empty")
+    check_no_oiq(args)
     try:
-        config = None if args.no_oiq else config_from_args(args)
+        config = config_from_args(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
     name = args.model or DEFAULT_MODEL
@@ -100,5 +104,11 @@ def main(argv=None) -> int:
     return run("oiq-cache-prompt", _main, argv)
 
 
+def console_main() -> None:
+    """The ``oiq-cache-prompt`` console script: :func:`main` on the command line, then
+    :func:`~oiq_mlx.cli.options.exit_process`."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

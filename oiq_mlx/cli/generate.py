@@ -26,12 +26,12 @@ from ..mlx_lm.sharding import add_arguments as add_sharding_arguments
 from ..mlx_lm.caches import model_head_dim, oiq_layer_indices
 from ..mlx_lm.routing import install
 from ..mlx_lm.models import resolve_model
-from .options import (DEFAULT_MODEL, HelpFormatter, UsageError, add_model_options, add_oiq_options, build_cache,
-                      cache_label, config_from_args, count_arg, load_from_args, memory_line, oiq_options_given,
+from .options import (DEFAULT_MODEL, ArgumentParser, HelpFormatter, UsageError, add_model_options, add_oiq_options, build_cache,
+                      cache_label, check_no_oiq, config_from_args, count_arg, exit_process, load_from_args, memory_line, oiq_options_given,
                       positive_arg, probability_arg, read_prompt, run, seed_arg, temperature_arg, top_p_arg)
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="oiq-generate",
         description=(
             "Generate text with an mlx-lm model whose KV cache is stored at 2-8 bits by OIQ "
@@ -76,6 +76,7 @@ def _load_cache_file(path: str):
 
 def _check_cache_config(args, cache):
     """The cache file decides the cache kind; options that say otherwise are an error (as in mlx_lm.generate)."""
+    check_no_oiq(args)
     stored = [c.config for c in cache if isinstance(c, OIQKVCache)]
     given = oiq_options_given(args)
     if args.no_oiq and stored:
@@ -175,11 +176,15 @@ def _main(argv) -> int:
     else:
         try:
             auto, budget = parse_auto(args.layer_bits)
-            config = None if args.no_oiq else config_from_args(args, allow_auto=True)
         except ValueError as e:
             raise UsageError(str(e)) from None
         if auto and args.no_oiq:
             raise UsageError("--layer-bits auto does not apply with --no-oiq")
+        check_no_oiq(args)
+        try:
+            config = config_from_args(args, allow_auto=True)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         if auto and shard_run is not None:
             raise UsageError("--layer-bits auto does not support --sharding (give the layers explicitly)")
         model, tokenizer = load_from_args(args, args.model or DEFAULT_MODEL)
@@ -225,5 +230,11 @@ def main(argv=None) -> int:
     return run("oiq-generate", _main, argv)
 
 
+def console_main() -> None:
+    """The ``oiq-generate`` console script: :func:`main` on the command line, then
+    :func:`~oiq_mlx.cli.options.exit_process`."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

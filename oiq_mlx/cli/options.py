@@ -1,17 +1,21 @@
 """What the console scripts share: model and OIQ options, their validation, the OIQ config they
-ask for, prompt and model loading, the cache-size line, and :func:`run`, which turns every
-input error into one ``PROG: error: ...`` line and exit status 2."""
+ask for, prompt and model loading, the cache-size line, :func:`run`, which turns every input
+error into one ``PROG: error: ...`` line and exit status 2 (an interrupt into a quiet exit with
+status 130, a closed output pipe into a quiet exit with status 141), and :func:`exit_process`."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
+import os
 import sys
 import warnings
 
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.sequence import OIQKVCache
+from ..core import platform as core_platform
 from ..core.config import OIQConfig, layer_bits_text
 from ..mlx_lm.calibrate import parse_auto
 from ..mlx_lm.caches import cache_tokens, kv_memory, make_oiq_cache
@@ -66,6 +70,14 @@ def seed_arg(text):
 
 
 # ---------------------------------------------------------------- parser
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are the one line that matters (and where to read more), not the
+    usage of every option first."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n(see {self.prog} --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -165,11 +177,24 @@ def oiq_options_given(args) -> list[str]:
     return given + (["--no-oiq"] if args.no_oiq else [])
 
 
+def check_no_oiq(args) -> None:
+    """UsageError when ``--no-oiq`` (mlx-lm's own cache) comes with options that set an OIQ cache:
+    they would be ignored, and the run would not be what was asked for."""
+    if args.no_oiq:
+        given = [flag for flag in oiq_options_given(args) if flag != "--no-oiq"]
+        if given:
+            raise UsageError(f"--no-oiq uses mlx-lm's own cache, which the OIQ options given "
+                             f"({' '.join(given)}) do not apply to")
+
+
 def config_from_args(args, *, allow_auto: bool = False):
-    """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced.
+    """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced;
+    None for ``--no-oiq`` (see :func:`check_no_oiq`).
 
     ``--layer-bits auto``: ValueError unless ``allow_auto``, and then the config
     without layer_bits (the caller calibrates it, :func:`oiq_mlx.mlx_lm.calibrate.parse_auto`)."""
+    if args.no_oiq:
+        return None
     overrides = {field: getattr(args, a) for a, field in _OIQ_FIELDS.items() if getattr(args, a) is not None}
     if parse_auto(args.layer_bits)[0]:
         if not allow_auto:
@@ -256,7 +281,10 @@ def print_warning(message, category, filename, lineno, file=None, line=None):
 
 
 def run(prog: str, main_fn, argv) -> int:
-    """Run ``main_fn(argv)`` with plain one-line warnings; a UsageError becomes exit status 2."""
+    """Run ``main_fn(argv)`` with plain one-line warnings; a UsageError becomes exit status 2,
+    Ctrl-C a quiet exit with status 130, a reader that closed the output pipe
+    (``oiq-generate ... | head -1``) a quiet exit with status 141 (128 + SIGPIPE, as a shell
+    reports a process that pipe ended)."""
     with warnings.catch_warnings():
         warnings.showwarning = print_warning
         try:
@@ -264,3 +292,30 @@ def run(prog: str, main_fn, argv) -> int:
         except UsageError as e:
             print(f"{prog}: error: {e}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:
+            return 130
+        except BrokenPipeError:
+            # nobody reads standard output any more: point it at /dev/null so that flushing it
+            # at exit raises nothing
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            return 141
+
+
+def exit_process(code: int) -> None:
+    """End a console script with status ``code``.
+
+    Where ``import oiq_mlx`` preloaded OpenBLAS (Linux), the process ends with ``os._exit`` once
+    logging and the standard streams are flushed, skipping the libraries' exit handlers:
+    OpenBLAS's (Debian's 0.3.21) can deadlock joining a worker thread that missed its shutdown
+    signal, which left an ``oiq-generate`` that had printed its answer waiting forever
+    (``gdb``: ``blas_thread_shutdown_`` in ``pthread_join``).  Elsewhere it is ``sys.exit``."""
+    if core_platform.openblas_path is None:
+        sys.exit(code)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing left to deliver
+            pass
+    os._exit(code)

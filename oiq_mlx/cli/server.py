@@ -9,11 +9,11 @@ import sys
 
 from ..core.config import OIQConfig
 from ..mlx_lm.server import serve
-from .options import add_oiq_options, config_from_args
+from .options import ArgumentParser, UsageError, add_oiq_options, check_no_oiq, config_from_args, exit_process
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="oiq-server",
         description=(
             "mlx-lm's OpenAI-compatible HTTP server (mlx_lm.server) with every sequence's KV cache "
@@ -35,9 +35,13 @@ def server_config(args) -> OIQConfig | None:
     ``exact_prefill`` contradicts that (it makes what is stored depend on the chunks), so
     it has no effect on positional caches, and asking for it without ``--no-positional`` is
     an error."""
-    if args.no_oiq:
-        return None
+    try:
+        check_no_oiq(args)
+    except UsageError as e:
+        raise ValueError(str(e)) from None
     config = config_from_args(args)
+    if config is None:
+        return None
     if args.positional is None:
         if args.exact_prefill:
             raise ValueError("--exact-prefill needs --no-positional: oiq-server's caches are positional, "
@@ -69,5 +73,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def console_main() -> None:
+    """The ``oiq-server`` console script: :func:`main` on the command line, then
+    :func:`~oiq_mlx.cli.options.exit_process`."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()
