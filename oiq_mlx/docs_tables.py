@@ -9,12 +9,15 @@ A table sits between two markers in a markdown file::
 
 ``FILE`` is relative to the markdown file's folder.  Without a ``VIEW`` the
 kind of table follows from the JSON: a ``fidelity_sweep.py`` file (perplexity,
-KL, top-1 per cache), a ``needle_stats.py`` results file (its report, summary
-computed again from its trials), a ``bench_latency.py`` record (the model
-table; views ``attention`` and ``dispatch`` give its other two tables) or a
-``bench_server.py`` record.  The view ``summary`` takes a fidelity sweep, a
-``bench_latency.py`` record and a ``bench_server.py --memory-only`` record and
-gives the README's one table of the presets.
+KL, top-1 per cache), an ``eval_quality.py`` file (every baseline in one run),
+a ``needle_stats.py`` results file (its report, the summary computed again from
+its trials), a ``bench_latency.py`` record (the model table; the views
+``attention`` and ``dispatch`` give its other two tables), a ``bench_server.py``
+record or a ``bench_sharded.py`` record.  A needle file takes the view
+``caches=fp,oiq-4,...``: the caches to report, where its trials hold more.  The
+view ``summary`` takes a fidelity sweep, a ``bench_latency.py`` record and a
+``bench_server.py --memory-only`` record and gives the README's one table of
+the presets.
 
 ``scripts/docs_tables.py`` is the command-line front end: it rewrites every
 table, or with ``--check`` rewrites nothing and exits 1 naming the stale ones.
@@ -37,16 +40,21 @@ def load(path) -> dict:
 
 
 def kind_of(result: dict) -> str:
-    """Which command wrote ``result``: fidelity, needle, latency or server."""
+    """Which command wrote ``result``: fidelity, quality, needle, latency, sharded or server."""
     if "rows" in result and "scored" in result:
         return "fidelity"
+    if "bytes_per_token_head" in result:
+        return "quality"
     if "records" in result and "summary" in result:
         return "needle"
     if "dispatch_counts" in result:
         return "latency"
+    if "ranks" in result and "runs" in result:
+        return "sharded"
     if "memory" in result and "runs" in result:
         return "server"
-    raise ValueError("not a results file of fidelity_sweep.py, needle_stats.py, bench_latency.py or bench_server.py")
+    raise ValueError("not a results file of fidelity_sweep.py, eval_quality.py, needle_stats.py, bench_latency.py, "
+                     "bench_server.py or bench_sharded.py")
 
 
 def fidelity_table(result: dict) -> str:
@@ -55,9 +63,22 @@ def fidelity_table(result: dict) -> str:
     return frontier_table(result["rows"])
 
 
-def needle_table(result: dict) -> str:
+def quality_table(result: dict) -> str:
+    from .evaluation import markdown_table
+
+    return markdown_table(result)
+
+
+def needle_table(result: dict, caches: list[str] | None = None) -> str:
+    """The report of a needle_stats.py results file; ``caches``: the caches to report (the
+    first is the paired reference), where the file holds answers of more caches than its
+    last run named."""
     from .evaluation import needle_stats_markdown, resummarize_needle
 
+    if caches:
+        records = [{**r, "results": {n: r["results"][n] for n in caches if n in r["results"]}}
+                   for r in result["records"]]
+        result = {**result, "caches": caches, "records": records}
     return needle_stats_markdown(resummarize_needle(result))
 
 
@@ -77,6 +98,12 @@ def server_table(result: dict) -> str:
     from .server_bench import markdown
 
     return markdown(result)
+
+
+def sharded_table(result: dict) -> str:
+    from .distributed import sharded_table as table
+
+    return table(result["runs"])
 
 
 def _preset_of(spec_name: str) -> str | None:
@@ -136,9 +163,12 @@ def render(args: list[str], base: Path) -> str:
     kind = kind_of(result)
     if kind == "latency":
         return latency_table(result, view or "model")
+    if kind == "needle" and view is not None and view.startswith("caches="):
+        return needle_table(result, view[len("caches="):].split(","))
     if view is not None:
         raise ValueError(f"a {kind} file has no view {view!r}")
-    return {"fidelity": fidelity_table, "needle": needle_table, "server": server_table}[kind](result)
+    return {"fidelity": fidelity_table, "quality": quality_table, "needle": needle_table, "server": server_table,
+            "sharded": sharded_table}[kind](result)
 
 
 def rewrite(text: str, base: Path) -> tuple[str, list[str]]:
