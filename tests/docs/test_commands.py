@@ -205,3 +205,24 @@ def test_prompt_cache_file_example(tmp_path):
     r = _run([*_console_argv("oiq-generate"), "--prompt-cache-file", cache, "--prompt", " Who is Sir Walter Elliot?",
               "--max-tokens", "5"], timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_links_reach_files_and_headings():
+    """Every relative link of README.md and docs/ names a file of the repository and, with a
+    #fragment, a heading of it (GitHub's anchors: lower case, punctuation dropped, spaces to -)."""
+    def anchors(path):
+        heads = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+    bad = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            file, _, frag = target.partition("#")
+            path = (doc.parent / file).resolve() if file else doc
+            if not path.is_relative_to(ROOT) or not path.exists():
+                bad.append(f"{doc.relative_to(ROOT)}: {target} (no such file)")
+            elif frag and frag not in anchors(path):
+                bad.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
