@@ -226,3 +226,16 @@ def test_links_reach_files_and_headings():
             elif frag and frag not in anchors(path):
                 bad.append(f"{doc.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+def test_readme_api_lists_all():
+    """The README's "Python API" table names exactly ``oiq_mlx.__all__``."""
+    import oiq_mlx
+
+    if "BatchOIQKVCache" not in oiq_mlx.__all__:
+        pytest.skip("this oiq_mlx predates the everyday __all__ the README lists")
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    listed = {re.match(r"\w+", name).group(0) for row in rows for name in re.findall(r"`([^`]+)`", row)}
+    assert listed == set(oiq_mlx.__all__), (sorted(listed - set(oiq_mlx.__all__)), sorted(set(oiq_mlx.__all__) - listed))
