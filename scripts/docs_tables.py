@@ -1,7 +1,7 @@
 """Rewrite the measured tables of README.md and docs/*.md from the JSON files under docs/results/.
 
 Every table sits between `<!-- table: [VIEW] FILE ... -->` and `<!-- end table -->`
-(oiq_mlx.docs_tables says which views there are). With --check nothing is
+(oiq_mlx.bench.docs_tables says which views there are). With --check nothing is
 written: the command exits 1 and names each table whose JSON says otherwise.
 
     python scripts/docs_tables.py            # rewrite the tables
@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from oiq_mlx.docs_tables import update
+from oiq_mlx.bench.docs_tables import update
 
 
 def main(argv=None) -> int:

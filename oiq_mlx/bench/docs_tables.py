@@ -29,6 +29,11 @@ import json
 import re
 from pathlib import Path
 
+from ..eval.needle_stats import resummarize_needle
+from ..eval.report import markdown_table, needle_stats_markdown
+from ..eval.sweep import frontier_table
+from . import attention, latency, server, sharded
+
 MARKER = re.compile(r"<!-- table: (?P<args>[^>]*?) -->\n(?P<body>.*?)<!-- end table -->", re.S)
 
 PRESETS = ("4bit", "3bit", "2bit")
@@ -58,14 +63,10 @@ def kind_of(result: dict) -> str:
 
 
 def fidelity_table(result: dict) -> str:
-    from .fidelity import frontier_table
-
     return frontier_table(result["rows"])
 
 
 def quality_table(result: dict) -> str:
-    from .evaluation import markdown_table
-
     return markdown_table(result)
 
 
@@ -73,8 +74,6 @@ def needle_table(result: dict, caches: list[str] | None = None) -> str:
     """The report of a needle_stats.py results file; ``caches``: the caches to report (the
     first is the paired reference), where the file holds answers of more caches than its
     last run named."""
-    from .evaluation import needle_stats_markdown, resummarize_needle
-
     if caches:
         records = [{**r, "results": {n: r["results"][n] for n in caches if n in r["results"]}}
                    for r in result["records"]]
@@ -83,27 +82,21 @@ def needle_table(result: dict, caches: list[str] | None = None) -> str:
 
 
 def latency_table(result: dict, view: str = "model") -> str:
-    from . import benchmark
-
     if view == "model":
-        return benchmark.model_table(result["model_runs"])
+        return latency.model_table(result["model_runs"])
     if view == "attention":
-        return benchmark.attention_table(result["attention_runs"])
+        return attention.attention_table(result["attention_runs"])
     if view == "dispatch":
-        return benchmark.dispatch_table(result["dispatch_counts"])
+        return attention.dispatch_table(result["dispatch_counts"])
     raise ValueError(f"bench_latency view must be model, attention or dispatch, got {view!r}")
 
 
 def server_table(result: dict) -> str:
-    from .server_bench import markdown
-
-    return markdown(result)
+    return server.markdown(result)
 
 
 def sharded_table(result: dict) -> str:
-    from .distributed import sharded_table as table
-
-    return table(result["runs"])
+    return sharded.sharded_table(result["runs"])
 
 
 def _preset_of(spec_name: str) -> str | None:
