@@ -1,5 +1,5 @@
 """One rank of a loopback test of oiq_mlx.mlx_lm.sharding (run by mlx.launch from
-tests/test_distributed.py; not a test module itself).
+tests/mlx_lm/test_distributed.py; not a test module itself).
 
 Every rank builds the same seeded random-weight model twice: one copy runs
 unsharded in this process (the reference), the other is sharded over the

@@ -21,7 +21,7 @@ from oiq_mlx.bench import latency as bench
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.config import OIQConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM = 2, 4, 2, 64
 CONTEXTS, STEPS, WARMUP, CHUNK = (40, 300), 3, 1, 128
 STEP = 256  # mlx-lm KVCache / QuantizedKVCache growth step

@@ -18,7 +18,7 @@ from oiq_mlx.mlx_lm.routing import capture_attention_inputs
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.eval.specs import parse_spec, split_spec_list
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EMBED_SCALE = 4.0
 
 

@@ -18,7 +18,7 @@ from oiq_mlx.eval import evaluation as ev
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.eval.specs import parse_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT_A = "It was a truth universally acknowledged. She smiled! Did he know? " * 40
 TEXT_B = "The rain fell on the moor for three days and nights. Nobody came. " * 30
 

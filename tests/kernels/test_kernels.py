@@ -39,7 +39,7 @@ from oiq_mlx.kernels.dequantize import dequantize as kernel_dequantize
 from oiq_mlx.kernels.quantize import quantize as kernel_quantize
 from oiq_mlx.kernels.quantize import quantize_rows as kernel_quantize_rows
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 DIMS = (64, 128, 256)
 

@@ -32,8 +32,8 @@ from oiq_mlx.mlx_lm import sharding as distributed
 from oiq_mlx.mlx_lm.caches import make_oiq_cache
 from oiq_mlx.bench.server import ServerProcess, complete
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where distributed_worker.py lives
 LAUNCH_TIMEOUT_S = 120  # a launch takes 5-10 s here; the bound stops a hung ring
 
 CONFIGS = {

@@ -20,7 +20,7 @@ from oiq_mlx.mlx_lm import models
 from oiq_mlx.mlx_lm.gguf import GGUFError, GGUFFile, build_tokenizer, metal_available
 
 AUSTEN_DIR = Path(
-    os.environ.get("OIQ_AUSTEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
+    os.environ.get("OIQ_AUSTEN_DIR", Path(__file__).resolve().parents[3] / "shared" / "data")
 )
 NOVELS = ["persuasion", "prideprejudice", "sensesensibility", "northangerabbey"]
 
