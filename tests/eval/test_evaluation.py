@@ -9,9 +9,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
-from helpers import CharTokenizer
+from helpers import NARROW_LLAMA, CharTokenizer, tiny_llama
 from oiq_mlx.core import metrics
 from oiq_mlx.eval import evaluation as ev
 from oiq_mlx.mlx_lm.routing import capture_attention_inputs
@@ -20,18 +19,6 @@ from oiq_mlx.eval.specs import parse_spec, split_spec_list
 
 ROOT = Path(__file__).resolve().parents[2]
 EMBED_SCALE = 4.0
-
-
-def tiny_llama(seed=0, layers=2, head_dim=32, vocab=128):
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=96,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5,
-        vocab_size=vocab, rope_theta=10000.0, tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def _tokens(n, vocab=128, seed=1):
@@ -92,7 +79,7 @@ def test_rotation_flattens_an_outlier_channel():
 
 
 def test_identical_caches_give_zero_kl_and_equal_ppl():
-    model = tiny_llama()
+    model = tiny_llama(**NARROW_LLAMA)
     toks = _tokens(97)
     fp = ev.cache_registry()["fp"]
     twin = ev.CacheSpec("fp-twin", "fp")
@@ -104,7 +91,7 @@ def test_identical_caches_give_zero_kl_and_equal_ppl():
 
 
 def test_perplexity_matches_single_forward_pass():
-    model = tiny_llama()
+    model = tiny_llama(**NARROW_LLAMA)
     toks = _tokens(65)
     res = ev.perplexity_eval(model, toks, [ev.cache_registry()["fp"]], prompt_len=16, score_len=48, chunk=16)
     logp = metrics.log_softmax(model(mx.array(toks[:-1])[None])[0])
@@ -113,7 +100,7 @@ def test_perplexity_matches_single_forward_pass():
 
 
 def test_quantized_caches_ordered_by_bits():
-    model = tiny_llama()
+    model = tiny_llama(**NARROW_LLAMA)
     toks = _tokens(97)
     specs = ev.select_caches(["oiq-8", "oiq-plain-2", "mlx-q8-g32"])
     res = ev.perplexity_eval(model, toks, specs, prompt_len=32, score_len=64, chunk=32)
@@ -158,7 +145,7 @@ def test_custom_oiq_cache_names():
 
 
 def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
-    model = tiny_llama(layers=3)
+    model = tiny_llama(layers=3, **NARROW_LLAMA)
     records = capture_attention_inputs(model, _tokens(80))
     assert [r["layer"] for r in records] == [0, 1, 2]
     assert records[0]["queries"].shape == (1, 4, 80, 32)
@@ -209,7 +196,7 @@ def test_retrieved_passkey():
 
 
 def test_needle_eval_runs_through_generate_step():
-    model = tiny_llama(vocab=256)
+    model = tiny_llama(vocab=256, **NARROW_LLAMA)
     res = ev.needle_eval(model, CharTokenizer(), ev.select_caches(["oiq-4"]), filler_text=FILLER,
                          lengths=(200,), depths=(0.0, 1.0), chat=False, max_tokens=3)
     assert set(res["grid"]) == {"fp", "oiq-4"}
@@ -234,7 +221,7 @@ def test_needle_grid_values_on_constructed_answers(monkeypatch):
         return f" {int(key) + 1 if oiq and depth < 0.4 else key}."
 
     monkeypatch.setattr(ev, "greedy_answer", answer)
-    res = ev.needle_eval(tiny_llama(vocab=256), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
+    res = ev.needle_eval(tiny_llama(vocab=256, **NARROW_LLAMA), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
                          lengths=(300, 600), depths=(0.0, 0.25, 1.0), chat=False, seed=3)
     assert res["grid"]["fp"] == [[1, 1, 1], [1, 1, 1]]
     assert res["grid"]["oiq-4"] == [[0, 0, 1], [0, 0, 1]]
@@ -248,7 +235,7 @@ def test_needle_grid_values_on_constructed_answers(monkeypatch):
 
 
 def test_markdown_and_run_evaluation_on_tiny_model(tmp_path):
-    model = tiny_llama(vocab=256)
+    model = tiny_llama(vocab=256, **NARROW_LLAMA)
     settings = ev.EvalSettings(caches=("oiq-4", "mlx-q8-g32", "mlx-q4-g64"), prompt_len=32, score_len=32, chunk=16,
                                windows=1, fidelity_tokens=48, needle_caches=("oiq-4",), needle_lengths=(150,),
                                needle_depths=(0.5,), needle_chat=False, text=str(tmp_path / "t.txt"))
