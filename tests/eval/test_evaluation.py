@@ -106,7 +106,9 @@ def test_quantized_caches_ordered_by_bits():
     res = ev.perplexity_eval(model, toks, specs, prompt_len=32, score_len=64, chunk=32)
     assert res["oiq-8"]["kl"] < res["oiq-plain-2"]["kl"]
     assert res["mlx-q8-g32"]["kl"] < res["oiq-plain-2"]["kl"]
-    assert 0 < res["oiq-8"]["kl"] < 1e-2
+    # measured 1.5e-8; float32 noise alone reaches 1e-7 in this KL (fp-twin above), so 1e-6 is the
+    # tightest bound that is not a bound on rounding
+    assert 0 < res["oiq-8"]["kl"] < 1e-6
     for r in res.values():
         assert r["measured_bytes_per_token_head"] > 0
     # the tiny model runs in float32: a float16 model's cache holds half of fp's bytes, and
@@ -153,11 +155,13 @@ def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
     specs = ev.select_caches(["fp16", "oiq-8", "oiq-plain-2", "mlx-q8-g32", "mlx-q4-g32"])
     res = ev.attention_fidelity(model, None, specs, records=records)
     np.testing.assert_array_equal(np.array(records[0]["queries"]), q0)
-    assert res["mlx-q8-g32"]["cos_mean"] > 0.999
-    assert res["mlx-q4-g32"]["cos_mean"] > 0.95
+    # 1 - cos measured 3.7e-6 (q8) and 1.7e-3 (q4): bounds 3x those, deterministic on a fixed model
+    assert res["mlx-q8-g32"]["cos_mean"] > 1 - 1.1e-5
+    assert res["mlx-q4-g32"]["cos_mean"] > 1 - 5e-3
     assert res["fp"]["cos_mean"] == pytest.approx(1.0, abs=1e-6)
     assert res["fp"]["k_rel_err"] == 0.0
-    assert res["oiq-8"]["cos_mean"] > 0.999
+    # measured 1.0 (k_rel_err 1.6e-8: no row of these 80 tokens is packed); 1e-5 is rounding room only
+    assert res["oiq-8"]["cos_mean"] > 1 - 1e-5
     assert res["oiq-8"]["k_rel_err"] < res["oiq-plain-2"]["k_rel_err"]
     # float16 storage: rounding only (relative error ~2^-11), well below 8 bits'
     assert 0 < res["fp16"]["k_rel_err"] < 1e-3 < res["mlx-q8-g32"]["k_rel_err"]
@@ -264,6 +268,8 @@ def test_smoke_real_model():
     res = ev.run_evaluation(settings, progress=ev.Progress(enabled=False))
     ppl = res["perplexity"]
     assert 5 < ppl["fp"]["ppl"] < 200
-    assert ppl["oiq-4"]["kl"] < 0.2
-    assert res["fidelity"]["oiq-4"]["cos_mean"] > 0.95
+    # KL measured 1.8e-3: 3x, the real model and text are fixed and the run deterministic
+    assert ppl["oiq-4"]["kl"] < 6e-3
+    # measured 1.0 (no row of the 64 fidelity tokens is packed); 1e-5 is rounding room only
+    assert res["fidelity"]["oiq-4"]["cos_mean"] > 1 - 1e-5
     assert res["key_outliers"]["rotated"]["gini"] < res["key_outliers"]["before"]["gini"]
