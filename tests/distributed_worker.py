@@ -1,5 +1,5 @@
 """One rank of a loopback test of oiq_mlx.mlx_lm.sharding (run by mlx.launch from
-tests/test_distributed.py; not a test module itself).
+tests/mlx_lm/test_distributed.py; not a test module itself).
 
 Every rank builds the same seeded random-weight model twice: one copy runs
 unsharded in this process (the reference), the other is sharded over the
@@ -21,7 +21,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import qwen2, qwen3
 from mlx_lm.models.cache import save_prompt_cache
 
-from helpers import tiny_llama
+from helpers import tiny_llama, tiny_qwen
 from oiq_mlx import OIQConfig, make_oiq_cache
 from oiq_mlx.mlx_lm import sharding as distributed
 from oiq_mlx.cache.sequence import OIQKVCache
@@ -35,27 +35,13 @@ CONFIGS = {
 }
 
 
-def _qwen(module, layers, seed):
-    mx.random.seed(seed)
-    extra = {"head_dim": 64} if module is qwen3 else {}  # qwen2 derives it: 256 / 4
-    args = module.ModelArgs(**extra,
-        model_type=module.__name__.split(".")[-1], hidden_size=256, num_hidden_layers=layers,
-        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        rms_norm_eps=1e-5, vocab_size=128, rope_theta=10000.0, tie_word_embeddings=True,
-        max_position_embeddings=512,
-    )
-    model = module.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
 def build(arch: str):
     if arch == "llama":
         model = tiny_llama(head_dim=64, n_heads=4, n_kv_heads=2, layers=2, seed=1)
     elif arch == "qwen3":
-        model = _qwen(qwen3, layers=2, seed=2)
+        model = tiny_qwen(qwen3, layers=2, seed=2)
     elif arch == "qwen2":
-        model = _qwen(qwen2, layers=3, seed=3)
+        model = tiny_qwen(qwen2, layers=3, seed=3)
     else:
         raise ValueError(arch)
     # at the default init the greedy tokens of these random models repeat one token;

@@ -4,16 +4,21 @@ import struct
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models import gemma3_text, llama
+from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 
 
-def tiny_llama(head_dim=64, n_heads=6, n_kv_heads=2, layers=2, vocab=128, seed=0):
+def tiny_llama(head_dim=64, n_heads=6, n_kv_heads=2, layers=2, vocab=128, seed=0, *, hidden_size=None,
+               intermediate_size=128, embed_scale=None, **extra):
+    """A random-weight Llama (float32), the same weights for the same arguments and ``seed``.
+    ``hidden_size`` defaults to ``n_heads * head_dim``; ``embed_scale`` multiplies the token
+    embeddings (larger embeddings make greedy answers depend on the context); ``extra`` are
+    further ``llama.ModelArgs`` fields."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama",
-        hidden_size=head_dim * n_heads,
+        hidden_size=head_dim * n_heads if hidden_size is None else hidden_size,
         num_hidden_layers=layers,
-        intermediate_size=128,
+        intermediate_size=intermediate_size,
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv_heads,
         head_dim=head_dim,
@@ -21,8 +26,32 @@ def tiny_llama(head_dim=64, n_heads=6, n_kv_heads=2, layers=2, vocab=128, seed=0
         vocab_size=vocab,
         rope_theta=10000.0,
         tie_word_embeddings=True,
+        **extra,
     )
     model = llama.Model(args)
+    if embed_scale is not None:
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * embed_scale
+    mx.eval(model.parameters())
+    return model
+
+
+# the narrow Llama of the evaluation tests: hidden size 64 with 4 heads of 32 (tiny_llama(**NARROW_LLAMA))
+NARROW_LLAMA = dict(hidden_size=64, n_heads=4, n_kv_heads=2, head_dim=32, intermediate_size=96)
+
+
+def tiny_qwen(module=qwen2, layers=3, seed=0, **extra):
+    """A random-weight Qwen2 or Qwen3 (``module``: mlx_lm.models.qwen2 or qwen3), 4 query heads
+    and 2 KV heads of 64; ``extra`` are further ``ModelArgs`` fields."""
+    mx.random.seed(seed)
+    if module is qwen3:
+        extra = {"head_dim": 64, **extra}  # qwen2 derives it: 256 / 4
+    args = module.ModelArgs(
+        model_type=module.__name__.split(".")[-1], hidden_size=256, num_hidden_layers=layers,
+        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        rms_norm_eps=1e-5, vocab_size=128, rope_theta=10000.0, tie_word_embeddings=True,
+        max_position_embeddings=512, **extra,
+    )
+    model = module.Model(args)
     mx.eval(model.parameters())
     return model
 

@@ -11,9 +11,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
-from helpers import CharTokenizer
+from helpers import NARROW_LLAMA, CharTokenizer, tiny_llama
 from oiq_mlx.eval import needle as nd
 from oiq_mlx.eval import needle_stats as ns
 from oiq_mlx.eval import quality, stats
@@ -21,7 +20,7 @@ from oiq_mlx.eval.report import needle_stats_markdown
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.eval.specs import parse_spec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TEXT_A = "It was a truth universally acknowledged. She smiled! Did he know? " * 40
 TEXT_B = "The rain fell on the moor for three days and nights. Nobody came. " * 30
 
@@ -353,18 +352,9 @@ def test_needle_stats_counts_constructed_answers_and_resumes(monkeypatch):
     assert ran == []
 
 
-def tiny_llama(seed=0):
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-5, vocab_size=256, rope_theta=10000.0,
-        tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
+def needle_llama():
     # larger embeddings so that greedy answers depend on the context
-    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 8
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama(vocab=256, embed_scale=8, **NARROW_LLAMA)
 
 
 @pytest.mark.parametrize("length, step", [(150, 64), (150, 512), (300, 100)])
@@ -372,7 +362,7 @@ def test_shared_first_chunk_gives_generate_steps_answers(length, step):
     """The first chunk computed once in fp and replayed into each cache, then
     the rest through generate_step, gives the caches generate_step builds from
     the whole prompt: same stored OIQ state, same answers and margins."""
-    model, tok = tiny_llama(), CharTokenizer()
+    model, tok = needle_llama(), CharTokenizer()
     ids = tok.encode((TEXT_A * 3)[:length])
     specs = [parse_spec("fp"), parse_spec("oiq-4"), parse_spec("oiq-2"), parse_spec("mlx-q4-g32"),
              parse_spec("preset:4bit[window=16,positional=true]")]
@@ -402,7 +392,7 @@ def test_attribution_hybrids_are_built_from_the_right_rows(step, oiq, share):
     its keys and values are fp's: the ``read`` hybrid (fp's prefill written into the OIQ
     cache) must answer as the cache itself and the ``prefill`` hybrid (the OIQ prefill's
     rows in an fp cache) as fp, call for call, whether the first chunk was shared or not."""
-    model, tok = tiny_llama(), CharTokenizer()
+    model, tok = needle_llama(), CharTokenizer()
     ids = tok.encode((TEXT_A * 3)[:300])
     specs = [parse_spec("fp"), parse_spec(oiq)]
     out = nd.trial_answers(model, tok, ids, specs, max_tokens=5, prefill_step_size=step, share_prefill=share,
@@ -417,7 +407,7 @@ def test_attribution_hybrids_are_built_from_the_right_rows(step, oiq, share):
 
 
 def test_call_log_keeps_the_prompt_calls_and_restores_the_methods():
-    cache = [parse_spec("fp").make_cache(tiny_llama())[0]]
+    cache = [parse_spec("fp").make_cache(needle_llama())[0]]
     with nd._CallLog(cache) as log:
         for n in (5, 3, 1, 1):
             cache[0].update_and_fetch(mx.zeros((1, 2, n, 32)), mx.zeros((1, 2, n, 32)))
@@ -467,7 +457,7 @@ def test_margin_attribution_constructed():
 
 
 def test_record_first_chunk_restores_the_cache_methods():
-    model = tiny_llama()
+    model = needle_llama()
     cache, log = nd.record_first_chunk(model, list(range(40)), 30)
     assert all(k.shape[2] == 30 for k, _ in log)
     assert all("update_and_fetch" not in vars(c) for c in cache)
@@ -476,7 +466,7 @@ def test_record_first_chunk_restores_the_cache_methods():
 
 def test_record_first_chunk_refuses_shared_layers():
     """A model that writes one cache twice per pass cannot have its chunk replayed."""
-    model = tiny_llama()
+    model = needle_llama()
 
     class Shared:
         layers = model.layers

@@ -25,7 +25,7 @@ from oiq_mlx.eval.perplexity import perplexity_eval
 from oiq_mlx.mlx_lm.caches import model_head_dim, oiq_layer_indices
 from oiq_mlx.eval.specs import parse_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = dict(window=8, sink_tokens=2)  # min_tokens: 2 * (2 + 8 + 16) = 52
 TOKENS = [(i * 37) % 128 for i in range(1, 120)]
 

@@ -20,7 +20,7 @@ from oiq_mlx.mlx_lm import models
 from oiq_mlx.mlx_lm.gguf import GGUFError, GGUFFile, build_tokenizer, metal_available
 
 AUSTEN_DIR = Path(
-    os.environ.get("OIQ_AUSTEN_DIR", Path(__file__).resolve().parents[2] / "shared" / "data")
+    os.environ.get("OIQ_AUSTEN_DIR", Path(__file__).resolve().parents[3] / "shared" / "data")
 )
 NOVELS = ["persuasion", "prideprejudice", "sensesensibility", "northangerabbey"]
 
@@ -236,9 +236,10 @@ def test_smollm2_quantized_matches_dense(smollm2_path, smollm2):
     x = mx.array(tok.encode("It is a truth universally acknowledged"))[None]
     a = dense(x)[0, -1]
     b = quantized(x)[0, -1].astype(mx.float32)
-    # Same Q4_1 values; only fp16 scale arithmetic differs.
+    # Same Q4_1 values; only fp16 scale arithmetic differs: measured 3.1e-4 of the largest logit,
+    # bound 3x that (the same weights and tokens every run)
     assert mx.argmax(a).item() == mx.argmax(b).item()
-    assert mx.abs(a - b).max().item() < 0.05 * mx.abs(a).max().item()
+    assert mx.abs(a - b).max().item() < 1e-3 * mx.abs(a).max().item()
 
 
 # ---------------------------------------------------------------- Gemma 3 270M

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import load_prompt_cache
 
 from oiq_mlx import OIQConfig, OIQKVCache, install
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # No trailing whitespace: the question's leading space then tokenizes the same
 # whether it follows the document in one string or in a later call.

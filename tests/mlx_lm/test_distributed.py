@@ -21,19 +21,18 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen2
 from mlx_lm.models.cache import save_prompt_cache
 from mlx_lm.utils import load_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from helpers import tiny_gemma3, tiny_llama
+from helpers import tiny_gemma3, tiny_llama, tiny_qwen
 from oiq_mlx import OIQConfig, OIQKVCache
 from oiq_mlx.mlx_lm import sharding as distributed
 from oiq_mlx.mlx_lm.caches import make_oiq_cache
 from oiq_mlx.bench.server import ServerProcess, complete
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]  # tests/, where distributed_worker.py lives
 LAUNCH_TIMEOUT_S = 120  # a launch takes 5-10 s here; the bound stops a hung ring
 
 CONFIGS = {
@@ -55,16 +54,6 @@ class StandInGroup:
 
     def size(self):
         return self._size
-
-
-def tiny_qwen2(layers=3, seed=0):
-    mx.random.seed(seed)
-    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=256, num_hidden_layers=layers, intermediate_size=128,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=128,
-                           rope_theta=10000.0, tie_word_embeddings=True)
-    model = qwen2.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 # -- in process ------------------------------------------------------------------
@@ -101,11 +90,11 @@ def test_pipeline_layout_numbers_caches_with_global_layer_indices():
     """Rank 0 holds the last layers; its caches keep the global layer numbers
     (the sign seeds), and layer_bits applies to the same layers as unsharded."""
     config = OIQConfig(k_bits=8, v_bits=8, layer_bits="0:3:3,2:2:4")
-    unsharded = make_oiq_cache(tiny_qwen2(), config)
+    unsharded = make_oiq_cache(tiny_qwen(), config)
     expected = {c.layer_idx: (c.k.bits, c.v.bits) for c in unsharded}
     seen = {}
     for rank, layers, first in ((0, (1, 3), 1), (1, (0, 1), 0)):
-        model = tiny_qwen2()
+        model = tiny_qwen()
         layout = distributed.shard_model(model, "pipeline", StandInGroup(rank, 2), name="tiny")
         assert (layout.layers, layout.first_cache, layout.kv_heads) == (layers, first, None)
         cache = distributed.make_cache(model, config, layout)
@@ -116,7 +105,7 @@ def test_pipeline_layout_numbers_caches_with_global_layer_indices():
 
 
 def test_layer_bits_checked_against_the_whole_model_under_pipeline():
-    model = tiny_qwen2()
+    model = tiny_qwen()
     layout = distributed.shard_model(model, "pipeline", StandInGroup(1, 2))
     with pytest.raises(ValueError, match=r"layer_bits names layers \[7\] that do not use OIQ in this model"):
         distributed.make_cache(model, OIQConfig(layer_bits="2:3:3,7:3:3"), layout)
@@ -130,14 +119,14 @@ def test_shard_errors_name_the_model():
     with pytest.raises(ValueError, match=r"g3 \(gemma3_text\) supports neither tensor parallelism .* nor pipeline"):
         distributed.shard_model(tiny_gemma3(), "tensor", StandInGroup(0, 2), name="g3")
     with pytest.raises(ValueError, match=r"tiny \(qwen2\) has 1 query and 1 KV heads.*; use --sharding pipeline"):
-        model = tiny_qwen2()
+        model = tiny_qwen()
         for layer in model.layers:
             layer.self_attn.n_heads = layer.self_attn.n_kv_heads = 1
         distributed.shard_model(model, "tensor", StandInGroup(0, 2), name="tiny")
     with pytest.raises(ValueError, match=r"tiny \(qwen2\) has 3 layers, fewer than the 4 pipeline ranks"):
-        distributed.shard_model(tiny_qwen2(), "pipeline", StandInGroup(0, 4), name="tiny")
+        distributed.shard_model(tiny_qwen(), "pipeline", StandInGroup(0, 4), name="tiny")
     with pytest.raises(ValueError, match="sharding must be auto, tensor or pipeline"):
-        distributed.shard_model(tiny_qwen2(), "data", StandInGroup(0, 2))
+        distributed.shard_model(tiny_qwen(), "data", StandInGroup(0, 2))
 
 
 def _fill(cache, n_tokens):
@@ -147,7 +136,7 @@ def _fill(cache, n_tokens):
 
 
 def test_saved_cache_loads_only_on_its_layout(tmp_path):
-    model = tiny_qwen2()
+    model = tiny_qwen()
     layout = distributed.shard_model(model, "pipeline", StandInGroup(1, 2))
     cache = distributed.make_cache(model, OIQConfig(window=4, sink_tokens=2), layout)
     _fill(cache, 20)
@@ -161,7 +150,7 @@ def test_saved_cache_loads_only_on_its_layout(tmp_path):
         distributed.load_prompt_cache(path, other)
     with pytest.raises(ValueError, match="this run is unsharded"):
         distributed.load_prompt_cache(path, None)
-    unsharded = make_oiq_cache(tiny_qwen2(), OIQConfig())
+    unsharded = make_oiq_cache(tiny_qwen(), OIQConfig())
     _fill(unsharded, 4)
     save_prompt_cache(str(path), unsharded)
     assert len(distributed.load_prompt_cache(path, None)) == 3

@@ -14,7 +14,7 @@ from oiq_mlx import OIQConfig, OIQKVCache
 from oiq_mlx.mlx_lm import models
 from oiq_mlx.cli.options import memory_line, run
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(*args, stdin=None):

@@ -9,29 +9,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 
-from helpers import CharTokenizer
+from helpers import NARROW_LLAMA, CharTokenizer, tiny_llama
 from oiq_mlx.core import metrics
 from oiq_mlx.eval import fidelity, needle, perplexity, progress, quality, report
 from oiq_mlx.mlx_lm.routing import capture_attention_inputs
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.eval.specs import CacheSpec, cache_registry, parse_spec, split_spec_list
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EMBED_SCALE = 4.0
-
-
-def tiny_llama(seed=0, layers=2, head_dim=32, vocab=128):
-    mx.random.seed(seed)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=96,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, rms_norm_eps=1e-5,
-        vocab_size=vocab, rope_theta=10000.0, tie_word_embeddings=True,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def _tokens(n, vocab=128, seed=1):
@@ -92,7 +79,7 @@ def test_rotation_flattens_an_outlier_channel():
 
 
 def test_identical_caches_give_zero_kl_and_equal_ppl():
-    model = tiny_llama()
+    model = tiny_llama(**NARROW_LLAMA)
     toks = _tokens(97)
     fp = cache_registry()["fp"]
     twin = CacheSpec("fp-twin", "fp")
@@ -104,7 +91,7 @@ def test_identical_caches_give_zero_kl_and_equal_ppl():
 
 
 def test_perplexity_matches_single_forward_pass():
-    model = tiny_llama()
+    model = tiny_llama(**NARROW_LLAMA)
     toks = _tokens(65)
     res = perplexity.perplexity_eval(model, toks, [cache_registry()["fp"]], prompt_len=16, score_len=48, chunk=16)
     logp = metrics.log_softmax(model(mx.array(toks[:-1])[None])[0])
@@ -113,13 +100,15 @@ def test_perplexity_matches_single_forward_pass():
 
 
 def test_quantized_caches_ordered_by_bits():
-    model = tiny_llama()
+    model = tiny_llama(**NARROW_LLAMA)
     toks = _tokens(97)
     specs = quality.select_caches(["oiq-8", "oiq-plain-2", "mlx-q8-g32"])
     res = perplexity.perplexity_eval(model, toks, specs, prompt_len=32, score_len=64, chunk=32)
     assert res["oiq-8"]["kl"] < res["oiq-plain-2"]["kl"]
     assert res["mlx-q8-g32"]["kl"] < res["oiq-plain-2"]["kl"]
-    assert 0 < res["oiq-8"]["kl"] < 1e-2
+    # measured 1.5e-8; float32 noise alone reaches 1e-7 in this KL (fp-twin above), so 1e-6 is the
+    # tightest bound that is not a bound on rounding
+    assert 0 < res["oiq-8"]["kl"] < 1e-6
     for r in res.values():
         assert r["measured_bytes_per_token_head"] > 0
     # the tiny model runs in float32: a float16 model's cache holds half of fp's bytes, and
@@ -158,7 +147,7 @@ def test_custom_oiq_cache_names():
 
 
 def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
-    model = tiny_llama(layers=3)
+    model = tiny_llama(layers=3, **NARROW_LLAMA)
     records = capture_attention_inputs(model, _tokens(80))
     assert [r["layer"] for r in records] == [0, 1, 2]
     assert records[0]["queries"].shape == (1, 4, 80, 32)
@@ -166,11 +155,13 @@ def test_attention_fidelity_fp_is_exact_and_quantized_is_close():
     specs = quality.select_caches(["fp16", "oiq-8", "oiq-plain-2", "mlx-q8-g32", "mlx-q4-g32"])
     res = fidelity.attention_fidelity(model, None, specs, records=records)
     np.testing.assert_array_equal(np.array(records[0]["queries"]), q0)
-    assert res["mlx-q8-g32"]["cos_mean"] > 0.999
-    assert res["mlx-q4-g32"]["cos_mean"] > 0.95
+    # 1 - cos measured 3.7e-6 (q8) and 1.7e-3 (q4): bounds 3x those, deterministic on a fixed model
+    assert res["mlx-q8-g32"]["cos_mean"] > 1 - 1.1e-5
+    assert res["mlx-q4-g32"]["cos_mean"] > 1 - 5e-3
     assert res["fp"]["cos_mean"] == pytest.approx(1.0, abs=1e-6)
     assert res["fp"]["k_rel_err"] == 0.0
-    assert res["oiq-8"]["cos_mean"] > 0.999
+    # measured 1.0 (k_rel_err 1.6e-8: no row of these 80 tokens is packed); 1e-5 is rounding room only
+    assert res["oiq-8"]["cos_mean"] > 1 - 1e-5
     assert res["oiq-8"]["k_rel_err"] < res["oiq-plain-2"]["k_rel_err"]
     # float16 storage: rounding only (relative error ~2^-11), well below 8 bits'
     assert 0 < res["fp16"]["k_rel_err"] < 1e-3 < res["mlx-q8-g32"]["k_rel_err"]
@@ -209,7 +200,7 @@ def test_retrieved_passkey():
 
 
 def test_needle_eval_runs_through_generate_step():
-    model = tiny_llama(vocab=256)
+    model = tiny_llama(vocab=256, **NARROW_LLAMA)
     res = needle.needle_eval(model, CharTokenizer(), quality.select_caches(["oiq-4"]), filler_text=FILLER,
                          lengths=(200,), depths=(0.0, 1.0), chat=False, max_tokens=3)
     assert set(res["grid"]) == {"fp", "oiq-4"}
@@ -234,7 +225,7 @@ def test_needle_grid_values_on_constructed_answers(monkeypatch):
         return f" {int(key) + 1 if oiq and depth < 0.4 else key}."
 
     monkeypatch.setattr(needle, "greedy_answer", answer)
-    res = needle.needle_eval(tiny_llama(vocab=256), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
+    res = needle.needle_eval(tiny_llama(vocab=256, **NARROW_LLAMA), tok, [parse_spec("fp"), parse_spec("oiq-4")], filler_text=FILLER,
                          lengths=(300, 600), depths=(0.0, 0.25, 1.0), chat=False, seed=3)
     assert res["grid"]["fp"] == [[1, 1, 1], [1, 1, 1]]
     assert res["grid"]["oiq-4"] == [[0, 0, 1], [0, 0, 1]]
@@ -248,7 +239,7 @@ def test_needle_grid_values_on_constructed_answers(monkeypatch):
 
 
 def test_markdown_and_run_evaluation_on_tiny_model(tmp_path):
-    model = tiny_llama(vocab=256)
+    model = tiny_llama(vocab=256, **NARROW_LLAMA)
     settings = quality.EvalSettings(caches=("oiq-4", "mlx-q8-g32", "mlx-q4-g64"), prompt_len=32, score_len=32, chunk=16,
                                windows=1, fidelity_tokens=48, needle_caches=("oiq-4",), needle_lengths=(150,),
                                needle_depths=(0.5,), needle_chat=False, text=str(tmp_path / "t.txt"))
@@ -277,6 +268,8 @@ def test_smoke_real_model():
     res = quality.run_evaluation(settings, progress=progress.Progress(enabled=False))
     ppl = res["perplexity"]
     assert 5 < ppl["fp"]["ppl"] < 200
-    assert ppl["oiq-4"]["kl"] < 0.2
-    assert res["fidelity"]["oiq-4"]["cos_mean"] > 0.95
+    # KL measured 1.8e-3: 3x, the real model and text are fixed and the run deterministic
+    assert ppl["oiq-4"]["kl"] < 6e-3
+    # measured 1.0 (no row of the 64 fidelity tokens is packed); 1e-5 is rounding room only
+    assert res["fidelity"]["oiq-4"]["cos_mean"] > 1 - 1e-5
     assert res["key_outliers"]["rotated"]["gini"] < res["key_outliers"]["before"]["gini"]

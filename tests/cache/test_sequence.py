@@ -95,7 +95,7 @@ def test_current_call_is_attended_in_full_precision():
     queries attend to its exact keys/values (prefill equals fp attention);
     the next call sees the stored, quantized version, and the full-precision
     copy is released once attention has read it (without exact_prefill, which keeps a
-    prompt in full precision until generation starts: tests/test_exact_prefill.py)."""
+    prompt in full precision until generation starts: tests/cache/test_exact_prefill.py)."""
     cfg = OIQConfig(k_bits=2, v_bits=2, sink_tokens=4, window=8, exact_prefill=0)
     B, n_kv, n_q, d, L = 1, 2, 4, 64, 100
     k1, k2, k3, k4 = mx.random.split(mx.random.key(3), 4)

@@ -57,7 +57,7 @@ def test_mean_and_key_scale_skip_sink_tokens():
     cache.update_and_fetch(x, x)
     cache.end_prefill()  # exact_prefill estimates when generation starts, on the same rows
     expect = mx.mean(x[:, :, 2:], axis=2, keepdims=True)
-    # cache format 2 holds the means un-rotated (oiq_mlx.cache, DESIGN.md section 13)
+    # cache format 2 holds the means un-rotated (oiq_mlx.cache, DESIGN.md section 5)
     assert mx.allclose(cache.v.mean, expect, atol=1e-4)
     assert mx.allclose(cache.k.mean, expect, atol=1e-4)
     # the sink outliers did not inflate the key scales either
@@ -78,7 +78,9 @@ def test_attention_exact_with_outlying_sinks():
     out = oiq_attention(q, cache, scale=0.125, mask="causal")
     ref = reference_attention(q, k, v, 0.125)
     cos = mx.sum(out * ref, -1) / (mx.linalg.norm(out, axis=-1) * mx.linalg.norm(ref, axis=-1))
-    assert mx.min(cos).item() > 0.999
+    # measured 1.0 (both calls are prefill: exact_prefill keeps their rows in full precision), so
+    # only float32 rounding is left; 1e-5 is far above that rounding and far below a real error
+    assert mx.min(cos).item() > 1 - 1e-5
 
 
 # -- Qwen-like stand-ins -------------------------------------------------------------
@@ -144,7 +146,8 @@ def test_sweep_rows_on_tiny_model():
     rows = fidelity.sweep(model, tokens, specs, prompt_len=96, score_len=96, chunk=32)
     assert [r["name"] for r in rows] == ["fp", "oiq[k_bits=8,v_bits=8]", "preset:2bit"]
     assert rows[0]["ppl_delta"] == 0 and rows[0]["kl"] == 0
-    assert rows[1]["kl"] < 1e-3 and rows[1]["top1"] > 0.97
+    # KL measured 1.0e-6 (top-1 1.0): 3x, as the sweep is deterministic on a fixed model and tokens
+    assert rows[1]["kl"] < 3e-6 and rows[1]["top1"] > 0.97
     assert rows[2]["bytes_per_token"] == 40
     # nbytes with float16 keys and values, after the evaluation's calls: fp is mlx-lm's
     # KVCache, 256 rows allocated (steps of 256) for 192 tokens; the preset adds to its

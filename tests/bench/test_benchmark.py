@@ -15,13 +15,13 @@ import oiq_mlx  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
 
+from helpers import tiny_llama
 from oiq_mlx.bench import attention, latency as bench
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.config import OIQConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 N_LAYERS, N_HEADS, N_KV, HEAD_DIM = 2, 4, 2, 64
 CONTEXTS, STEPS, WARMUP, CHUNK = (40, 300), 3, 1, 128
 STEP = 256  # mlx-lm KVCache / QuantizedKVCache growth step
@@ -34,15 +34,8 @@ class ByteTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    mx.random.seed(0)
-    args = llama.ModelArgs(
-        model_type="llama", hidden_size=N_HEADS * HEAD_DIM, num_hidden_layers=N_LAYERS, intermediate_size=256,
-        num_attention_heads=N_HEADS, num_key_value_heads=N_KV, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
-        vocab_size=256, max_position_embeddings=4096,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return tiny_llama(head_dim=HEAD_DIM, n_heads=N_HEADS, n_kv_heads=N_KV, layers=N_LAYERS, vocab=256,
+                      intermediate_size=256, max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
