@@ -14,7 +14,7 @@ one full transform over the head.  Any other ``d`` that is a multiple of 16
 largest Hadamard size that divides ``d``: it keeps storage at exactly ``d``
 values (zero-padding to the next Hadamard size would cost up to 2x bytes) and
 still spreads an outlier over at least 16 coordinates, which is what the group
-scale needs (see ``tests/test_rotation.py`` for the measured effect).  Other
+scale needs (see ``tests/core/test_rotation.py`` for the measured effect).  Other
 sizes are rejected with ``ValueError``; ``mx.hadamard_transform`` is never
 called on a size it mishandles (it silently returns garbage for n = 36 and
 crashes for n = 60).

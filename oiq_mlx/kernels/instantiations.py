@@ -1,5 +1,5 @@
 """Every kernel instantiation `dispatch` can request in production, and the launch parameters each
-takes at run time.  The emulator tests check that each one ran (tests/test_kernels.py);
+takes at run time.  The emulator tests check that each one ran (tests/kernels/test_kernels.py);
 ``scripts/check_metal.py`` compiles each one on a Mac before testing."""
 
 from __future__ import annotations

@@ -368,15 +368,22 @@ def _logits(model, tokens, cache):
 
 
 def test_generation_matches_full_precision_at_8_bits():
+    """Logits that read 8-bit packed rows stay near full precision's, and greedy generation
+    picks the same tokens.  (A 40-token prompt in one call read no packed row at all: the
+    call attends its own rows exactly, and sinks + window held them.)"""
     model = tiny_llama()
-    prompt = list(range(5, 45))
-    fp = make_prompt_cache(model)
-    oiq = make_oiq_cache(model, OIQConfig(k_bits=8, v_bits=8))
-    assert all(isinstance(c, OIQKVCache) for c in oiq)
-    a = _logits(model, prompt, fp)
-    b = _logits(model, prompt, oiq)
-    assert float(mx.abs(a - b).max()) < 0.05 * float(mx.abs(a).max())
+    prompt = list(range(5, 125))
     cfg = OIQConfig(k_bits=8, v_bits=8)
+    fp, oiq = make_prompt_cache(model), make_oiq_cache(model, cfg)
+    assert all(isinstance(c, OIQKVCache) for c in oiq)
+    _logits(model, prompt[:100], fp)
+    _logits(model, prompt[:100], oiq)
+    end_prefill(oiq)
+    assert all(c.q_end - c.config.sink_tokens == 32 for c in oiq)  # the next call reads 32 packed rows
+    a = _logits(model, prompt[100:], fp)
+    b = _logits(model, prompt[100:], oiq)
+    # measured 1.05e-3 of the largest logit; 3x for other seeds and BLAS orders
+    assert float(mx.abs(a - b).max()) < 3.2e-3 * float(mx.abs(a).max())
     toks_fp = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, prompt_cache=make_prompt_cache(model))]
     toks_oiq = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12, prompt_cache=make_oiq_cache(model, cfg))]
     assert toks_fp == toks_oiq
