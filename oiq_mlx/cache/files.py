@@ -30,6 +30,13 @@ FORMAT_VERSION = 2
 # rows rotated, r((x - m) / lam), and the mean as r(m / lam); format 2 stores
 # x - m and m (DESIGN.md section 5).  Older states are converted on load.
 READABLE_FORMATS = (1, 2)
+# Every format-1 writer (oiq_mlx 0.1.0 before format 2) wrote exactly these config fields;
+# format 2 writes more (positional, align_scales, key_scaling_cap, exact_prefill).  A file that
+# says format 1, or says no format, must have them: a format-2 file whose format field was
+# removed or set to 1 (its digest recomputed) is refused instead of read as another cache.
+FORMAT_1_CONFIG_FIELDS = frozenset((
+    "k_bits", "v_bits", "group_size", "seed", "sink_tokens", "window", "quantize_after", "clip", "center_keys",
+    "center_values", "trim_reserve", "rotation", "key_scaling", "layer_bits"))
 _ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
 _META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")
 
@@ -108,8 +115,10 @@ def restore_state(cache, v) -> dict:
         side.signs, side.mean, side.lam = arrays["signs"], arrays["mean"], arrays["lam"]
         # rows past what the counters hold are never read: they are dropped
         side.sink = arrays["sink"][:, :, :n_sink]
-        side.recent = arrays["recent"][:, :, :n_rec] if n_rec else None
-        if meta.get("format", 1) < 2:
+        # a buffer holding 0 rows comes back as one (format 1 saved arbitrary slices of emptied ones)
+        recent, versioned = arrays["recent"], meta.get("format", 1) >= 2
+        side.recent = None if recent is None or not (n_rec or versioned) else recent[:, :, :n_rec]
+        if not versioned:
             side.mean = None if side.mean is None else side.packed_to_window(side.mean)
             side.sink = side.packed_to_window(side.sink).astype(cache.dtype)
             if side.recent is not None:
@@ -167,6 +176,7 @@ def parse_state(v):
         cfg = OIQConfig.from_json(meta["config"])
     except ValueError as e:
         raise _refuse("config", f"is invalid: {e}") from None
+    _check_format(meta)
     for name in ("layer_idx", "offset", "q_end", "recent_start"):
         x = meta[name]
         if isinstance(x, bool) or not isinstance(x, int) or x < 0:
@@ -197,6 +207,25 @@ def parse_state(v):
         raise _refuse("metadata", "does not match its digest: the config or the counters were edited "
                                   "or corrupted after the cache was saved")
     return cfg, meta, sides
+
+
+def _check_format(meta: dict):
+    """A file is read under the format its writer used: format 1 (declared, or no format
+    field as in oiq_mlx 0.1.0) only with the config fields every format-1 writer wrote."""
+    if meta.get("format", 1) != 1:
+        return
+    newer = sorted(set(json.loads(meta["config"])) - FORMAT_1_CONFIG_FIELDS)
+    if newer:
+        said = "says format 1" if "format" in meta else "has no format field (format 1, oiq_mlx 0.1.0)"
+        raise _refuse("format", f"{said} but its config has fields {newer} that only format "
+                                f"{FORMAT_VERSION} writes: the format field was removed or edited")
+
+
+def _check_finite_rows(side: str, name: str, a):
+    """Full-precision rows are written finite unless the model gave non-finite keys or values;
+    a file holding NaN or Inf there would make every later attention output NaN."""
+    if a is not None and a.size and not mx.all(mx.isfinite(a)).item():
+        raise _refuse(f"{side} {name}", "holds non-finite values (NaN or Inf) in its full-precision rows")
 
 
 def _check_empty_state(meta: dict, sides, sink_tokens: int):
@@ -261,11 +290,13 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
                 want_dtype = {"codes": mx.uint32, "scales": mx.float16}.get(name, dtype)
                 check(name, a, want_dtype, (*bh, n, width), rows={n})
 
-        # oiq_mlx 0.1.0 saved the sink buffer at full size, and an arbitrary slice of an
-        # emptied full-precision buffer; those rows are never read
-        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {n_sink, s})
+        # oiq_mlx 0.1.0 saved the sink buffer at its full sink_tokens rows (always: its layout),
+        # and an arbitrary slice of an emptied full-precision buffer; those rows are never read
+        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {s})
+        _check_finite_rows(side, "sink", arrays["sink"][:, :, :n_sink])
         if n_rec or versioned:
             check_rows("recent", n_rec)
+            _check_finite_rows(side, "recent", arrays["recent"])
         check_rows("codes", n_q)
         check_rows("scales", n_q)
         if n_q:
