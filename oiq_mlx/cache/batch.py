@@ -46,6 +46,15 @@ def detached_copy(cache):
     return new
 
 
+def _what_state(v) -> str:
+    """What a state that is not a batch's looks like it is, for the error."""
+    if isinstance(v, (list, tuple)) and v and isinstance(v[-1], str):
+        return " holding one OIQKVCache's state (a single sequence's cache, not a batch)"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(a, mx.array) for a in v):
+        return " holding the stacked decode storage (a batch saved while decoding: unstack() it before saving)"
+    return ""
+
+
 class BatchOIQKVCache(_BaseCache):
     """A batch of OIQ caches of one layer (``B`` sequences).
 
@@ -246,9 +255,7 @@ class BatchOIQKVCache(_BaseCache):
                 or not all(isinstance(s, (list, tuple)) and s and isinstance(s[-1], str) for s in v)):
             raise ValueError(
                 "BatchOIQKVCache state refused: state must be a non-empty list of OIQKVCache states (one per "
-                f"sequence, each ending in its metadata string); got {type(v).__name__}"
-                + (" holding the stacked decode storage (a batch saved while decoding: unstack() it before "
-                   "saving)" if isinstance(v, (list, tuple)) and v and isinstance(v[0], mx.array) else ""))
+                f"sequence, each ending in its metadata string); got {type(v).__name__}" + _what_state(v))
         caches = [self.sequence_class.from_state(s) for s in v]
         first = caches[0]
         for i, c in enumerate(caches):

@@ -38,6 +38,17 @@ FORMAT_1_CONFIG_FIELDS = frozenset((
     "k_bits", "v_bits", "group_size", "seed", "sink_tokens", "window", "quantize_after", "clip", "center_keys",
     "center_values", "trim_reserve", "rotation", "key_scaling", "layer_bits"))
 _ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
+# the metadata and config fields that set each array's expected shape and dtype (named when it
+# does not fit: the array or one of them is at fault)
+_IMPLIED_BY = {
+    "codes": "q_end, sink_tokens, dims, k_bits/v_bits/layer_bits and layer_idx",
+    "scales": "q_end, sink_tokens, dims and group_size",
+    "sink": "offset, sink_tokens, dims and dtype",
+    "recent": "offset, recent_start, q_end, dims and dtype",
+    "signs": "dims",
+    "mean": "dims (center_keys/center_values)",
+    "lam": "dims (key_scaling)",
+}
 _META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")
 
 
@@ -153,7 +164,7 @@ def parse_state(v):
     if not isinstance(meta, dict):
         raise _refuse("metadata", f"must be a JSON object, got {type(meta).__name__}")
     fmt = meta.get("format")
-    if "format" in meta and (isinstance(fmt, bool) or fmt not in READABLE_FORMATS):
+    if "format" in meta and (not isinstance(fmt, int) or isinstance(fmt, bool) or fmt not in READABLE_FORMATS):
         raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads {READABLE_FORMATS}; "
                                 "the file was written by another version")
     expected = set(_META_FIELDS) | ({"format", "digest"} if "format" in meta else set())
@@ -181,7 +192,7 @@ def parse_state(v):
         x = meta[name]
         if isinstance(x, bool) or not isinstance(x, int) or x < 0:
             raise _refuse(name, f"must be an integer >= 0, got {x!r}")
-    if meta["dtype"] is not None and meta["dtype"] not in DTYPES:
+    if meta["dtype"] is not None and (not isinstance(meta["dtype"], str) or meta["dtype"] not in DTYPES):
         raise _refuse("dtype", f"{meta['dtype']!r} is not one of {sorted(DTYPES)}")
     sides = []
     for i, side in enumerate(("keys", "values")):
@@ -264,7 +275,7 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
         except ValueError as e:
             raise _refuse("head_dims", f"do not fit the config: {e}") from None
         if dim != storage:
-            raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dim {head_dim}")
+            raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dims' {head_dim}")
 
         def check(name, a, want_dtype, want_shape, rows=None):
             """``a`` must have ``want_dtype`` and ``want_shape`` (axis 2 any of ``rows`` when given)."""
@@ -280,7 +291,7 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
                 want = f"{want_dtype} {want_shape}"
                 if rows is not None and len(rows) > 1:
                     want += f" (or {sorted(rows)} rows on axis 2)"
-                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want}")
+                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want} (as {_IMPLIED_BY[name]} imply)")
 
         def check_rows(name, n):
             """A per-token array holding ``n`` rows (absent or empty when n is 0)."""
@@ -321,7 +332,8 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
             a = arrays[name]
             if not used:
                 if a is not None:
-                    raise _refuse(f"{side} {name}", "is present but the config does not use it")
+                    raise _refuse(f"{side} {name}", "is present but the config does not use it "
+                                                    "(center_keys/center_values, key_scaling)")
                 continue
             if cfg.positional and not n_q:
                 # positional statistics are estimated when the first block is packed
@@ -338,7 +350,8 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
             if a is None:
                 if offset > 0:
                     what = "something is packed" if cfg.positional else "the cache holds tokens"
-                    raise _refuse(f"{side} {name}", f"is missing (the config uses it and {what})")
+                    raise _refuse(f"{side} {name}", f"is missing (the config uses it and {what}: "
+                                                    "center_keys/center_values, key_scaling)")
                 continue
             check(name, a, mx.float32, (*bh, 1, dim))
             if not mx.all(mx.isfinite(a)).item():

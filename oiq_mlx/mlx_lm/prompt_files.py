@@ -107,7 +107,9 @@ def load_cache_file(path, return_metadata: bool = False):
         try:
             cache.append(known[name].from_state(state))
         except ValueError as e:
-            raise _refuse(path, f"layer {i} ({name}): {e}") from None
+            if known[name] in (OIQKVCache, BatchOIQKVCache):  # their errors name the field at fault
+                raise _refuse(path, f"layer {i} ({name}): {e}") from None
+            raise _refuse(path, f"layer {i} ({name}): its state is not one {name} saves ({e})") from None
         except (TypeError, KeyError, IndexError, AttributeError) as e:
             # mlx-lm's classes take their state apart without checking it
             raise _refuse(path, f"layer {i} ({name}): its state is not one {name} saves "
