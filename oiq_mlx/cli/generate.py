@@ -18,6 +18,7 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from ..cache.batch import BatchOIQKVCache
 from ..cache.sequence import OIQKVCache
 from ..mlx_lm.calibrate import calibrate_layer_bits, parse_auto
 from ..core.config import layer_bits_text
@@ -71,9 +72,13 @@ def _load_cache_file(path: str):
         raise UsageError(f"prompt cache file not found: {path}")
     try:
         # every part of the file checked (class list, scalars, each layer's state): a ValueError
-        return load_cache_file(path, return_metadata=True)
+        cache, metadata = load_cache_file(path, return_metadata=True)
     except (OSError, ValueError) as e:
         raise UsageError(f"cannot load prompt cache {path}: {e}") from None
+    if any(isinstance(c, BatchOIQKVCache) for c in cache):
+        raise UsageError(f"cannot load prompt cache {path}: it holds a batch of sequences (BatchOIQKVCache); "
+                         "oiq-generate continues one sequence's cache (oiq-cache-prompt writes one)")
+    return cache, metadata
 
 
 def _check_cache_config(args, cache):

@@ -217,7 +217,7 @@ def _decode(model, cache, tokens):
     return out
 
 
-def test_a_batch_cache_saves_and_loads_exactly(tmp_path):
+def test_a_batch_cache_saves_and_loads_exactly(tmp_path, capsys):
     """Save a decoding batch (each layer a BatchOIQKVCache of two sequences), load it, and
     decode on: the same logits, bit for bit, as the batch that was never saved."""
     model = tiny_llama(layers=2)
@@ -232,6 +232,8 @@ def test_a_batch_cache_saves_and_loads_exactly(tmp_path):
         b.unstack()
     path = str(tmp_path / "batch.safetensors")
     save_prompt_cache(path, batch)
+    assert generate.main(["--prompt-cache-file", path, "--prompt", "hi"]) == 2  # one sequence's cache only
+    assert "holds a batch of sequences" in capsys.readouterr().err
     for load in (load_cache_file, oiq_mlx.load_prompt_cache):
         loaded = load(path)
         assert all(type(b) is BatchOIQKVCache and len(b.caches) == 2 for b in loaded)
