@@ -213,6 +213,12 @@ def parse_state(v):
             raise _refuse("q_end", f"and recent_start must satisfy sink_tokens <= recent_start <= q_end <= "
                                    f"max(sink_tokens, offset); got sink_tokens={s}, recent_start={recent_start}, "
                                    f"q_end={q_end}, offset={offset}")
+        if meta.get("format", 1) == 1 and offset > cfg.quantize_after and offset - q_end > cfg.window:
+            # format 1 packed every token past the window after each call (and trim kept that);
+            # format 2 packs in blocks, so its window can hold up to a block - 1 more
+            raise _refuse("format", f"1 packed every token past the window (offset - q_end <= window), but this "
+                                    f"file's window holds {offset - q_end} rows for window={cfg.window} (offset "
+                                    f"{offset}, q_end {q_end}): its arrays are laid out as format 2 lays them out")
         _check_arrays(cfg, meta, sides)
     if "format" in meta and meta["digest"] != digest(meta):
         raise _refuse("metadata", "does not match its digest: the config or the counters were edited "

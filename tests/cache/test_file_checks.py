@@ -40,6 +40,10 @@ def saved(tmp_path_factory):
     model(mx.array([PROMPT]), cache=cache)
     for t in (31, 32):
         model(mx.array([[t]]), cache=cache)
+    t = 33
+    while cache[0].offset - cache[0].q_end != CFG_1.window:  # as format 1 left its window: `window` rows
+        model(mx.array([[t]]), cache=cache)
+        t += 1
     path = str(tmp_path_factory.mktemp("cache") / "cache.safetensors")
     save_prompt_cache(path, cache)
     arrays, metadata = mx.load(path, return_metadata=True)
@@ -108,6 +112,29 @@ def test_format_2_files_claiming_format_1_are_refused(saved, tmp_path):
     for new in (removed, claimed):
         with pytest.raises(ValueError, match="state refused: format .* only format 2 writes"):
             load_cache_file(_write(tmp_path, _with_meta(arrays, new, 0), metadata))
+
+
+def test_a_format_2_window_is_not_read_as_format_1(tmp_path):
+    """Format 1 packed every token past the window; format 2 packs in blocks, so its window
+    can hold more than ``window`` rows.  Such a file, its format and digest deleted and its
+    config cut to format 1's fields (the same config), is refused naming the format."""
+    model = tiny_llama(layers=2)
+    cache = make_oiq_cache(model, CFG_1)
+    model(mx.array([PROMPT]), cache=cache)
+    t = 31
+    while cache[0].offset - cache[0].q_end == CFG_1.window:
+        model(mx.array([[t]]), cache=cache)
+        t += 1
+    path = str(tmp_path / "two.safetensors")
+    save_prompt_cache(path, cache)
+    arrays, metadata = mx.load(path, return_metadata=True)
+    for layer in (0, 1):
+        meta = {k: v for k, v in _meta(arrays, layer).items() if k not in ("format", "digest")}
+        config = {k: v for k, v in json.loads(meta["config"]).items() if k in FORMAT_1_CONFIG_FIELDS}
+        assert OIQConfig.from_json(json.dumps(config)) == CFG_1
+        arrays = _with_meta(arrays, {**meta, "config": json.dumps(config)}, layer)
+    with pytest.raises(ValueError, match="state refused: format 1 packed every token past the window"):
+        load_cache_file(_write(tmp_path, arrays, metadata))
 
 
 @pytest.mark.parametrize("name", ["sink", "recent"])
