@@ -7,8 +7,10 @@
 digest of its metadata; ``from_state`` refuses, naming the field, a state whose arrays do not
 have exactly the shapes, dtypes and row counts the config and counters imply, whose counters
 contradict each other, whose sign vectors are not the config's, whose means or key scales are
-non-finite (or scales below 1), whose group scales are negative, infinite or 0/NaN over non-zero
-codes, or whose metadata does not match its digest.  Token data (codes, full-precision rows,
+non-finite (or scales below 1), whose full-precision sink or window rows hold NaN or Inf, whose
+group scales are negative, infinite or 0/NaN over non-zero codes, or whose metadata does not match
+its digest.  A state is read under the format its writer used: one that says format 1 (or no
+format, oiq_mlx 0.1.0) must have format 1's config fields and window layout (:func:`parse_state`).  Token data (codes, full-precision rows,
 means) may hold any value, so an edit of those values that keeps every shape (one head's codes
 copied over another's) is not detected: there is no checksum of the array data, which would cost
 a pass over the cache every prefill step (mlx-lm evaluates ``cache.state`` there).
