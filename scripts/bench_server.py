@@ -24,18 +24,24 @@ import os
 import sys
 
 
+FULL = dict(caches="fp,mlx:4,preset:4bit,preset:3bit", clients="1,4,8,16", lengths="512,2k,8k", max_tokens=64,
+            memory_lengths="4k,8k")
+QUICK = dict(caches="fp,mlx:4,preset:4bit", clients="1,8", lengths="256", max_tokens=16, memory_lengths="4k")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="demo", help="demo, gemma3, a .gguf path or an mlx-lm model id (default demo)")
-    parser.add_argument("--caches", default="fp,mlx:4,preset:4bit,preset:3bit",
+    parser.add_argument("--caches", default=None,
                         help="comma-separated cache configurations, any name oiq_mlx.eval.specs.parse_spec reads "
                              "(the registry eval_quality.py, bench_latency.py and fidelity_sweep.py share): fp, "
                              "mlx:B[:G], preset:NAME[field=value,...], oiq[field=value,...], oiq-4, ... "
-                             "(default fp,mlx:4,preset:4bit,preset:3bit)")
-    parser.add_argument("--clients", default="1,4,8,16", help="concurrent clients (default 1,4,8,16)")
-    parser.add_argument("--lengths", default="512,2k,8k", help="prompt lengths in tokens, k suffix allowed (default 512,2k,8k)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
-    parser.add_argument("--memory-lengths", default="4k,8k",
+                             "(default fp,mlx:4,preset:4bit,preset:3bit; --quick fp,mlx:4,preset:4bit)")
+    parser.add_argument("--clients", default=None, help="concurrent clients (default 1,4,8,16; --quick 1,8)")
+    parser.add_argument("--lengths", default=None,
+                        help="prompt lengths in tokens, k suffix allowed (default 512,2k,8k; --quick 256)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="tokens generated per request (default 64; --quick 16)")
+    parser.add_argument("--memory-lengths", default=None,
                         help="sequence lengths of the KV bytes / capacity figure (default 4k,8k; --quick 4k)")
     parser.add_argument("--memory-batch", type=int, default=8,
                         help="sequences decoding together for the figure's in-a-batch column (default 8)")
@@ -43,12 +49,14 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-only", action="store_true",
                         help="only the KV bytes / capacity figure (no server is started; a few minutes up to 8k tokens)")
     parser.add_argument("--quick", action="store_true",
-                        help="fp, mlx:4, preset:4bit; 1 and 8 clients; 256-token prompts; 16 tokens each; KV bytes at 4k")
+                        help="fp, mlx:4, preset:4bit; 1 and 8 clients; 256-token prompts; 16 tokens each; KV bytes at 4k "
+                             "(an option given explicitly keeps its value)")
     parser.add_argument("--out", default="bench_results/bench_server", help="output folder (default bench_results/bench_server)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.caches, args.clients, args.lengths, args.max_tokens = "fp,mlx:4,preset:4bit", "1,8", "256", 16
-        args.memory_lengths = "4k"
+    settings = QUICK if args.quick else FULL
+    for name, value in settings.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
 
     import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core)
     from oiq_mlx.bench import server as server_bench

@@ -236,7 +236,7 @@ class OIQConfig:
         ========  =======  ========  ======================================================================
         ``4bit``  72       144       K5 V3 g32, clipped codes with aligned scales, key mean, key scaling 0.5
         ``3bit``  56       112       K3 V3 g32, as 4bit but key scaling 0.5 capped at 2x
-        ``2bit``  40       80        K2 V2 g32, clipped codes with their MSE scales, value mean, window 128
+        ``2bit``  40       80        K2 V2 g32, clipped codes with aligned scales, value mean, window 128
         ========  =======  ========  ======================================================================
 
         (fp16 is 256 / 512.)  Raises ``ValueError`` for an unknown name.
