@@ -46,6 +46,15 @@ def detached_copy(cache):
     return new
 
 
+def _what_state(v) -> str:
+    """What a state that is not a batch's looks like it is, for the error."""
+    if isinstance(v, (list, tuple)) and v and isinstance(v[-1], str):
+        return " holding one OIQKVCache's state (a single sequence's cache, not a batch)"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(a, mx.array) for a in v):
+        return " holding the stacked decode storage (a batch saved while decoding: unstack() it before saving)"
+    return ""
+
+
 class BatchOIQKVCache(_BaseCache):
     """A batch of OIQ caches of one layer (``B`` sequences).
 
@@ -54,6 +63,10 @@ class BatchOIQKVCache(_BaseCache):
     boolean ``(B, 1, N, T)`` mask whose row ``i`` holds sequence ``i``'s keys
     right-aligned in the last ``offset[i]`` columns (after this step's write).
     """
+
+    # the class of the sequences' caches (OIQKVCache): oiq_mlx.cache.sequence, which imports
+    # this module, sets it; from_state builds them
+    sequence_class = None
 
     def __init__(self, caches):
         self.caches = list(caches)
@@ -228,9 +241,28 @@ class BatchOIQKVCache(_BaseCache):
 
     @property
     def state(self):
+        """One :attr:`OIQKVCache.state` per sequence (what ``save_prompt_cache`` writes and
+        :meth:`from_state` reads back).  While the batch decodes stacked it is the stacked
+        storage instead (what evaluating the state must evaluate, without a copy per step):
+        call :meth:`unstack` before saving a batch that is decoding."""
         if self.stacked is not None:
             return self.stacked.state
         return [c.state for c in self.caches]
+
+    @state.setter
+    def state(self, v):
+        if (not isinstance(v, (list, tuple)) or not v
+                or not all(isinstance(s, (list, tuple)) and s and isinstance(s[-1], str) for s in v)):
+            raise ValueError(
+                "BatchOIQKVCache state refused: state must be a non-empty list of OIQKVCache states (one per "
+                f"sequence, each ending in its metadata string); got {type(v).__name__}" + _what_state(v))
+        caches = [self.sequence_class.from_state(s) for s in v]
+        first = caches[0]
+        for i, c in enumerate(caches):
+            if c.config != first.config or c.layer_idx != first.layer_idx:
+                raise ValueError(f"BatchOIQKVCache state refused: sequence {i} is layer {c.layer_idx} with another "
+                                 f"config than sequence 0 (layer {first.layer_idx}); a batch holds one layer")
+        self.__init__(caches)
 
     @property
     def keys(self):

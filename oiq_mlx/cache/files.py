@@ -7,8 +7,10 @@
 digest of its metadata; ``from_state`` refuses, naming the field, a state whose arrays do not
 have exactly the shapes, dtypes and row counts the config and counters imply, whose counters
 contradict each other, whose sign vectors are not the config's, whose means or key scales are
-non-finite (or scales below 1), whose group scales are negative, infinite or 0/NaN over non-zero
-codes, or whose metadata does not match its digest.  Token data (codes, full-precision rows,
+non-finite (or scales below 1), whose full-precision sink or window rows hold NaN or Inf, whose
+group scales are negative, infinite or 0/NaN over non-zero codes, or whose metadata does not match
+its digest.  A state is read under the format its writer used: one that says format 1 (or no
+format, oiq_mlx 0.1.0) must have format 1's config fields and window layout (:func:`parse_state`).  Token data (codes, full-precision rows,
 means) may hold any value, so an edit of those values that keeps every shape (one head's codes
 copied over another's) is not detected: there is no checksum of the array data, which would cost
 a pass over the cache every prefill step (mlx-lm evaluates ``cache.state`` there).
@@ -30,7 +32,25 @@ FORMAT_VERSION = 2
 # rows rotated, r((x - m) / lam), and the mean as r(m / lam); format 2 stores
 # x - m and m (DESIGN.md section 5).  Older states are converted on load.
 READABLE_FORMATS = (1, 2)
+# Every format-1 writer (oiq_mlx 0.1.0 before format 2) wrote exactly these config fields;
+# format 2 writes more (positional, align_scales, key_scaling_cap, exact_prefill).  A file that
+# says format 1, or says no format, must have them: a format-2 file whose format field was
+# removed or set to 1 (its digest recomputed) is refused instead of read as another cache.
+FORMAT_1_CONFIG_FIELDS = frozenset((
+    "k_bits", "v_bits", "group_size", "seed", "sink_tokens", "window", "quantize_after", "clip", "center_keys",
+    "center_values", "trim_reserve", "rotation", "key_scaling", "layer_bits"))
 _ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
+# the metadata and config fields that set each array's expected shape and dtype (named when it
+# does not fit: the array or one of them is at fault)
+_IMPLIED_BY = {
+    "codes": "q_end, sink_tokens, dims, k_bits/v_bits/layer_bits and layer_idx",
+    "scales": "q_end, sink_tokens, dims and group_size",
+    "sink": "offset, sink_tokens, dims and dtype",
+    "recent": "offset, recent_start, q_end, dims and dtype",
+    "signs": "dims",
+    "mean": "dims (center_keys/center_values)",
+    "lam": "dims (key_scaling)",
+}
 _META_FIELDS = ("config", "layer_idx", "offset", "q_end", "recent_start", "dtype", "head_dims", "dims")
 
 
@@ -108,8 +128,10 @@ def restore_state(cache, v) -> dict:
         side.signs, side.mean, side.lam = arrays["signs"], arrays["mean"], arrays["lam"]
         # rows past what the counters hold are never read: they are dropped
         side.sink = arrays["sink"][:, :, :n_sink]
-        side.recent = arrays["recent"][:, :, :n_rec] if n_rec else None
-        if meta.get("format", 1) < 2:
+        # a buffer holding 0 rows comes back as one (format 1 saved arbitrary slices of emptied ones)
+        recent, versioned = arrays["recent"], meta.get("format", 1) >= 2
+        side.recent = None if recent is None or not (n_rec or versioned) else recent[:, :, :n_rec]
+        if not versioned:
             side.mean = None if side.mean is None else side.packed_to_window(side.mean)
             side.sink = side.packed_to_window(side.sink).astype(cache.dtype)
             if side.recent is not None:
@@ -144,7 +166,7 @@ def parse_state(v):
     if not isinstance(meta, dict):
         raise _refuse("metadata", f"must be a JSON object, got {type(meta).__name__}")
     fmt = meta.get("format")
-    if "format" in meta and (isinstance(fmt, bool) or fmt not in READABLE_FORMATS):
+    if "format" in meta and (not isinstance(fmt, int) or isinstance(fmt, bool) or fmt not in READABLE_FORMATS):
         raise _refuse("format", f"{fmt!r} is not one this oiq_mlx reads {READABLE_FORMATS}; "
                                 "the file was written by another version")
     expected = set(_META_FIELDS) | ({"format", "digest"} if "format" in meta else set())
@@ -167,11 +189,12 @@ def parse_state(v):
         cfg = OIQConfig.from_json(meta["config"])
     except ValueError as e:
         raise _refuse("config", f"is invalid: {e}") from None
+    _check_format(meta)
     for name in ("layer_idx", "offset", "q_end", "recent_start"):
         x = meta[name]
         if isinstance(x, bool) or not isinstance(x, int) or x < 0:
             raise _refuse(name, f"must be an integer >= 0, got {x!r}")
-    if meta["dtype"] is not None and meta["dtype"] not in DTYPES:
+    if meta["dtype"] is not None and (not isinstance(meta["dtype"], str) or meta["dtype"] not in DTYPES):
         raise _refuse("dtype", f"{meta['dtype']!r} is not one of {sorted(DTYPES)}")
     sides = []
     for i, side in enumerate(("keys", "values")):
@@ -192,11 +215,36 @@ def parse_state(v):
             raise _refuse("q_end", f"and recent_start must satisfy sink_tokens <= recent_start <= q_end <= "
                                    f"max(sink_tokens, offset); got sink_tokens={s}, recent_start={recent_start}, "
                                    f"q_end={q_end}, offset={offset}")
+        if meta.get("format", 1) == 1 and offset > cfg.quantize_after and offset - q_end > cfg.window:
+            # format 1 packed every token past the window after each call (and trim kept that);
+            # format 2 packs in blocks, so its window can hold up to a block - 1 more
+            raise _refuse("format", f"1 packed every token past the window (offset - q_end <= window), but this "
+                                    f"file's window holds {offset - q_end} rows for window={cfg.window} (offset "
+                                    f"{offset}, q_end {q_end}): its arrays are laid out as format 2 lays them out")
         _check_arrays(cfg, meta, sides)
     if "format" in meta and meta["digest"] != digest(meta):
         raise _refuse("metadata", "does not match its digest: the config or the counters were edited "
                                   "or corrupted after the cache was saved")
     return cfg, meta, sides
+
+
+def _check_format(meta: dict):
+    """A file is read under the format its writer used: format 1 (declared, or no format
+    field as in oiq_mlx 0.1.0) only with the config fields every format-1 writer wrote."""
+    if meta.get("format", 1) != 1:
+        return
+    newer = sorted(set(json.loads(meta["config"])) - FORMAT_1_CONFIG_FIELDS)
+    if newer:
+        said = "says format 1" if "format" in meta else "has no format field (format 1, oiq_mlx 0.1.0)"
+        raise _refuse("format", f"{said} but its config has fields {newer} that only format "
+                                f"{FORMAT_VERSION} writes: the format field was removed or edited")
+
+
+def _check_finite_rows(side: str, name: str, a):
+    """Full-precision rows are written finite unless the model gave non-finite keys or values;
+    a file holding NaN or Inf there would make every later attention output NaN."""
+    if a is not None and a.size and not mx.all(mx.isfinite(a)).item():
+        raise _refuse(f"{side} {name}", "holds non-finite values (NaN or Inf) in its full-precision rows")
 
 
 def _check_empty_state(meta: dict, sides, sink_tokens: int):
@@ -235,7 +283,7 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
         except ValueError as e:
             raise _refuse("head_dims", f"do not fit the config: {e}") from None
         if dim != storage:
-            raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dim {head_dim}")
+            raise _refuse("dims", f"{side}: {dim} is not the storage dimension {storage} of head_dims' {head_dim}")
 
         def check(name, a, want_dtype, want_shape, rows=None):
             """``a`` must have ``want_dtype`` and ``want_shape`` (axis 2 any of ``rows`` when given)."""
@@ -251,7 +299,7 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
                 want = f"{want_dtype} {want_shape}"
                 if rows is not None and len(rows) > 1:
                     want += f" (or {sorted(rows)} rows on axis 2)"
-                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want}")
+                raise _refuse(f"{side} {name}", f"is {_describe(a)}, expected {want} (as {_IMPLIED_BY[name]} imply)")
 
         def check_rows(name, n):
             """A per-token array holding ``n`` rows (absent or empty when n is 0)."""
@@ -261,11 +309,13 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
                 want_dtype = {"codes": mx.uint32, "scales": mx.float16}.get(name, dtype)
                 check(name, a, want_dtype, (*bh, n, width), rows={n})
 
-        # oiq_mlx 0.1.0 saved the sink buffer at full size, and an arbitrary slice of an
-        # emptied full-precision buffer; those rows are never read
-        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {n_sink, s})
+        # oiq_mlx 0.1.0 saved the sink buffer at its full sink_tokens rows (always: its layout),
+        # and an arbitrary slice of an emptied full-precision buffer; those rows are never read
+        check("sink", arrays["sink"], dtype, (*bh, n_sink, dim), rows={n_sink} if versioned else {s})
+        _check_finite_rows(side, "sink", arrays["sink"][:, :, :n_sink])
         if n_rec or versioned:
             check_rows("recent", n_rec)
+            _check_finite_rows(side, "recent", arrays["recent"])
         check_rows("codes", n_q)
         check_rows("scales", n_q)
         if n_q:
@@ -290,7 +340,8 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
             a = arrays[name]
             if not used:
                 if a is not None:
-                    raise _refuse(f"{side} {name}", "is present but the config does not use it")
+                    raise _refuse(f"{side} {name}", "is present but the config does not use it "
+                                                    "(center_keys/center_values, key_scaling)")
                 continue
             if cfg.positional and not n_q:
                 # positional statistics are estimated when the first block is packed
@@ -307,7 +358,8 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
             if a is None:
                 if offset > 0:
                     what = "something is packed" if cfg.positional else "the cache holds tokens"
-                    raise _refuse(f"{side} {name}", f"is missing (the config uses it and {what})")
+                    raise _refuse(f"{side} {name}", f"is missing (the config uses it and {what}: "
+                                                    "center_keys/center_values, key_scaling)")
                 continue
             check(name, a, mx.float32, (*bh, 1, dim))
             if not mx.all(mx.isfinite(a)).item():

@@ -29,7 +29,6 @@ Cache files: :attr:`OIQKVCache.state` and its checks are in ``files.py``; what a
 (:class:`~oiq_mlx.cache.reading.CacheReads`, mixed in) in ``reading.py``.
 """
 
-
 from __future__ import annotations
 
 import mlx.core as mx
@@ -596,3 +595,6 @@ class OIQKVCache(CacheReads, _BaseCache):
         if self._pairs_packed and k.rows is not None:
             self.set_packed_buffers([mx.stack([k.rows, v.rows])])
             self._views = None
+
+
+BatchOIQKVCache.sequence_class = OIQKVCache  # what BatchOIQKVCache.from_state builds

@@ -15,9 +15,10 @@ import sys
 
 import mlx.core as mx
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
+from ..cache.batch import BatchOIQKVCache
 from ..cache.sequence import OIQKVCache
 from ..mlx_lm.calibrate import calibrate_layer_bits, parse_auto
 from ..core.config import layer_bits_text
@@ -26,6 +27,7 @@ from ..mlx_lm.sharding import add_arguments as add_sharding_arguments
 from ..mlx_lm.caches import model_head_dim, oiq_layer_indices
 from ..mlx_lm.routing import install
 from ..mlx_lm.models import resolve_model
+from ..mlx_lm.prompt_files import load_cache_file
 from .options import (DEFAULT_MODEL, ArgumentParser, HelpFormatter, UsageError, add_model_options, add_oiq_options, build_cache,
                       cache_label, check_no_oiq, config_from_args, count_arg, exit_process, load_from_args, memory_line, oiq_options_given,
                       positive_arg, probability_arg, read_prompt, run, seed_arg, temperature_arg, top_p_arg)
@@ -69,9 +71,14 @@ def _load_cache_file(path: str):
     if not os.path.isfile(path):
         raise UsageError(f"prompt cache file not found: {path}")
     try:
-        return load_prompt_cache(path, return_metadata=True)
-    except (OSError, ValueError, RuntimeError, KeyError) as e:
+        # every part of the file checked (class list, scalars, each layer's state): a ValueError
+        cache, metadata = load_cache_file(path, return_metadata=True)
+    except (OSError, ValueError) as e:
         raise UsageError(f"cannot load prompt cache {path}: {e}") from None
+    if any(isinstance(c, BatchOIQKVCache) for c in cache):
+        raise UsageError(f"cannot load prompt cache {path}: it holds a batch of sequences (BatchOIQKVCache); "
+                         "oiq-generate continues one sequence's cache (oiq-cache-prompt writes one)")
+    return cache, metadata
 
 
 def _check_cache_config(args, cache):

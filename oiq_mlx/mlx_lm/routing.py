@@ -6,7 +6,8 @@
   go to :func:`oiq_mlx.cache.attention.oiq_attention`.  Every other cache reaches
   the original function unchanged.  Idempotent.
 * ``load_prompt_cache`` finds cache classes with ``globals()[name]`` inside
-  ``mlx_lm.models.cache``; :func:`install` registers ``OIQKVCache`` there.
+  ``mlx_lm.models.cache``; :func:`install` registers ``OIQKVCache`` and ``BatchOIQKVCache``
+  there (:func:`oiq_mlx.mlx_lm.prompt_files.load_cache_file` checks a file before that lookup).
 * :func:`capture_attention_inputs` records what each attention call receives
   (calibration and evaluation read it).
 
@@ -61,6 +62,7 @@ def install() -> int:
     imported before oiq_mlx.
     """
     _cache_mod.OIQKVCache = OIQKVCache
+    _cache_mod.BatchOIQKVCache = BatchOIQKVCache
     patched = 0
     for module in list(sys.modules.values()):
         # vars(), not getattr(): a module-level __getattr__ must not run (lazy imports)

@@ -30,12 +30,12 @@ import sys
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import load_prompt_cache as _mlx_load_prompt_cache
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache.sequence import OIQKVCache
 from ..core.config import OIQConfig
 from .caches import leaves, end_prefill, kv_memory, make_oiq_cache, oiq_layer_indices
+from .prompt_files import load_cache_file
 
 SHARDINGS = ("tensor", "pipeline")
 
@@ -229,8 +229,9 @@ def check_layout(cache: list, layout: ShardLayout | None, source: str = "prompt 
 
 
 def load_prompt_cache(path, layout: ShardLayout | None, return_metadata: bool = False):
-    """``mlx_lm``'s ``load_prompt_cache``, refusing a file saved on another layout."""
-    cache, metadata = _mlx_load_prompt_cache(str(path), return_metadata=True)
+    """``mlx_lm``'s ``load_prompt_cache`` (checked: :func:`~oiq_mlx.mlx_lm.prompt_files.load_cache_file`),
+    refusing a file saved on another layout."""
+    cache, metadata = load_cache_file(str(path), return_metadata=True)
     check_layout(cache, layout, source=str(path))
     return (cache, metadata) if return_metadata else cache
 

@@ -242,10 +242,10 @@ def _as_format_1(arrays, layer, meta):
 
 
 def test_unmodified_and_legacy_files_load(saved, tmp_path):
-    """The saved file reproduces the cache it came from; files written by oiq_mlx
-    0.1.0 (no format, no digest, the sink buffer at its full sink_tokens rows, rows
-    stored rotated) and in format 1 (rotated rows, with a digest) load, converted,
-    and give the same results up to the rotation's float round trip."""
+    """The saved file reproduces the cache it came from; its arrays converted to format 1
+    (no format and no digest as oiq_mlx 0.1.0, or format 1 with a digest) are refused: its
+    config has fields only format 2 writes (genuine format-1 files load:
+    tests/cache/test_file_checks.py)."""
     model, path, arrays, metadata, reference = saved
     assert _load_and_compare(saved, path) is None
     legacy, format_1 = dict(arrays), dict(arrays)
@@ -254,11 +254,11 @@ def test_unmodified_and_legacy_files_load(saved, tmp_path):
         legacy = _as_format_1(legacy, layer, {k: v for k, v in meta.items() if k not in ("format", "digest")})
         format_1 = _as_format_1(format_1, layer, {**meta, "format": 1, "digest": digest({**meta, "format": 1})})
     for converted in (legacy, format_1):
-        got = _continue(model, load_prompt_cache(_write(tmp_path, converted, metadata)))
-        for a, b in zip(got, reference):
-            assert mx.allclose(a, b, atol=1e-4), float(mx.abs(a - b).max())
+        with pytest.raises(ValueError, match="state refused: format .* only format 2 writes"):
+            load_prompt_cache(_write(tmp_path, converted, metadata))
     # the same arrays read as format 2 are another cache: the format field is what tells them apart
-    got = _continue(model, load_prompt_cache(_write(tmp_path, _with_meta(legacy, _meta(arrays, 0), 0), metadata)))
+    as_2 = _with_meta(_with_meta(legacy, _meta(arrays, 0), 0), _meta(arrays, 1), 1)
+    got = _continue(model, load_prompt_cache(_write(tmp_path, as_2, metadata)))
     assert not all(mx.allclose(a, b, atol=1e-4) for a, b in zip(got, reference))
 
 
