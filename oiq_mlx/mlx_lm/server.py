@@ -354,6 +354,9 @@ class OIQAPIHandler(_server.APIHandler):
             if self.answered:
                 raise
             self._refuse(400, f"Invalid JSON in request body: not UTF-8 ({e})")
+        except (BrokenPipeError, ConnectionResetError):
+            # the client left (its sequence has been told to stop): one line, not a traceback
+            logging.info("oiq_mlx: the client of %s went away", self.path)
 
     def _set_stream_headers(self, status_code: int = 200):
         self.answered = True
