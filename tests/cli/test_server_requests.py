@@ -65,6 +65,7 @@ def test_bad_requests_get_a_status_and_a_message(server):
     n, room = map(int, OVERLONG.search(error).groups())
     assert n + room == 8192
     _refused(port, {"prompt": "the sea", "max_completion_tokens": 100000}, 400, OVERLONG)
+    _refused(port, {"prompt": "the sea", "max_tokens": 100000, "stream": True}, 400, OVERLONG)
     _refused(port, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400, OVERLONG,
              "/v1/chat/completions")
     _refused(port, {"prompt": "the sea", "max_tokens": 2, "model": "no-such-model"}, 404,
