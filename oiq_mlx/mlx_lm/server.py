@@ -20,10 +20,17 @@ mlx-lm 0.32.2:
   (``--pipeline`` as in mlx-lm, else tensor parallel), and its caches hold
   this rank's heads or layers with the unsharded layer numbers;
 * ``mlx_lm.server.run`` becomes :func:`run`: it serves with
-  :class:`OIQModelProvider` and :class:`OIQResponseGenerator`, which reject
-  an unknown model name and a prompt past the model's context with a message
-  (before mlx-lm would drop the loaded model or start a prefill), and turns
-  SIGTERM into mlx-lm's own shutdown path (``KeyboardInterrupt``);
+  :class:`OIQModelProvider`, :class:`OIQResponseGenerator` and
+  :class:`OIQAPIHandler`, which answer a bad request at once with a status and
+  a message (mlx-lm answers 404 to most, some only after the running batch):
+  400 for empty ``messages``, an empty prompt, a prompt past the model's context
+  or a ``max_tokens`` past what the context leaves (the server's default
+  ``--max-tokens`` is cut to it instead); 404 for a name that names no model
+  (before mlx-lm would drop the loaded model); 409 for another model while the
+  loaded one answers requests; any name of the loaded model, or none, joins
+  the running batch.  It listens with a backlog of 128 (socketserver's 5 resets
+  clients that connect together) and turns SIGTERM into mlx-lm's own shutdown
+  path (``KeyboardInterrupt``);
 * the prompt cache is :class:`OIQPromptCache`, mlx-lm's ``LRUPromptCache``
   keeping the segment checkpoints of OIQ caches and trimming them only exactly.
 
@@ -42,11 +49,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import os
 import signal
 import sys
+import threading
 import warnings
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import mlx.core as mx
@@ -139,11 +149,30 @@ def sharded_load_model(path_or_repo, pipeline_group=None, tensor_group=None, ret
 
 
 class OIQModelProvider(_server.ModelProvider):
+    def request_key(self, model_path, adapter_path=None, draft_model_path=None) -> tuple:
+        """The ``model_key`` (model, adapter, draft) a request naming these loads: the
+        names mapped as ``ModelProvider.load`` maps them (``default_model``, a request
+        without ``model``, is ``--model``), the model name resolved
+        (:func:`~oiq_mlx.mlx_lm.models.resolve_model`), so that every name of the
+        served model gives its key.  Raises ``ValueError`` / ``FileNotFoundError``
+        for a name that names no model."""
+        adapter_path = self._adapter_map.get(model_path, adapter_path)
+        model_path = self._model_map.get(model_path, model_path)
+        draft_model_path = self._draft_model_map.get(draft_model_path, draft_model_path)
+        return resolve_model(model_path, install=False), adapter_path, draft_model_path
+
     def load(self, model_path, adapter_path=None, draft_model_path=None):
         # mlx-lm resets the loaded model before loading another: refuse bad
         # names first, so that a typo does not unload the served model
-        resolve_model(self._model_map.get(model_path, model_path), install=False)
-        return super().load(model_path, adapter_path, draft_model_path)
+        return super().load(*self.request_key(model_path, adapter_path, draft_model_path))
+
+    def served_name(self, key=None) -> str:
+        """The model of ``key`` (default: the loaded one) as a client may name it:
+        ``--model`` for the default model."""
+        key = self.model_key if key is None else key
+        if key is None or key == self.request_key("default_model", None, "default_model"):
+            return str(self.cli_args.model)
+        return str(key[0])
 
 
 def _oiq_caches(prompt_cache) -> list:
@@ -210,16 +239,168 @@ def context_length(model) -> int | None:
     return int(value) if value else None
 
 
+class RequestError(ValueError):
+    """A request the server refuses, with the HTTP status to answer it with."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class DefaultMaxTokens(int):
+    """``max_tokens`` of a request that gave none: the server's ``--max-tokens``."""
+
+
+def check_lengths(n_prompt: int, args, limit: int | None) -> None:
+    """Refuse a prompt that leaves no room in the model's context (``limit`` tokens,
+    prompt and generated tokens together), and a ``max_tokens`` the request asked for
+    past what the context leaves; the server's default ``--max-tokens`` is cut to it.
+
+    mlx-lm has no convention here (it generates past the context); OpenAI's API, which
+    the server follows, answers 400 when a request's ``max_tokens`` does not fit (so
+    does vLLM), and a request that asked for nothing should not fail for the server's
+    default: that one is clamped, as vLLM clamps its own default."""
+    if n_prompt == 0:
+        raise RequestError(400, "the prompt is empty: it gives no tokens to start from")
+    if limit is None:
+        return
+    if n_prompt >= limit:
+        raise RequestError(400, f"the prompt has {n_prompt} tokens; the model's context is {limit} tokens "
+                                "(prompt and generated tokens together)")
+    room = limit - n_prompt
+    if args.max_tokens > room:
+        if isinstance(args.max_tokens, DefaultMaxTokens):
+            args.max_tokens = DefaultMaxTokens(room)
+        else:
+            raise RequestError(400, f"max_tokens is {args.max_tokens}, but the prompt has {n_prompt} tokens and "
+                                    f"the model's context is {limit} tokens (prompt and generated tokens "
+                                    f"together): at most {room} tokens can be generated")
+
+
 class OIQResponseGenerator(_server.ResponseGenerator):
+    def __init__(self, model_provider, prompt_cache):
+        # the requests being answered, per model key (see OIQAPIHandler.handle_completion)
+        self.active: dict = {}
+        self.active_lock = threading.Lock()
+        super().__init__(model_provider, prompt_cache)
+
+    def begin(self, key) -> tuple | None:
+        """Count a request for model ``key`` as being answered; or, while requests for
+        another model are, return that ``(key, count)`` and count nothing."""
+        with self.active_lock:
+            busy = [(k, n) for k, n in self.active.items() if k != key and n]
+            if busy:
+                return busy[0]
+            self.active[key] = self.active.get(key, 0) + 1
+            return None
+
+    def end(self, key) -> None:
+        with self.active_lock:
+            self.active[key] -= 1
+
+    def _next_request(self, timeout=None):
+        item = super()._next_request(timeout)
+        if item is not None:
+            # mlx-lm adds a request to the running batch only when its model description
+            # equals the batch's, else it lets the batch finish first: describe every
+            # request by its model key, so that any name of the served model (or none) joins
+            _, _, args = item
+            try:
+                key = self.model_provider.request_key(args.model.model, args.model.adapter, args.model.draft)
+            except (ValueError, FileNotFoundError):
+                return item  # the provider's load refuses it with this message
+            args.model = _server.ModelDescription(model=key[0], adapter=key[1], draft=key[2])
+        return item
+
     def _tokenize(self, tokenizer, request, args):
-        result = super()._tokenize(tokenizer, request, args)
-        limit = context_length(self.model_provider.model)
-        if limit is not None and len(result[0]) >= limit:
-            raise ValueError(
-                f"the prompt has {len(result[0])} tokens; the model's context is {limit} tokens "
-                "(prompt and generated tokens together)"
-            )
+        try:
+            result = super()._tokenize(tokenizer, request, args)
+        except Exception as e:  # noqa: BLE001 - the prompt is made of what the client sent
+            raise RequestError(400, f"the prompt could not be made from the request: {type(e).__name__}: {e}") from e
+        check_lengths(len(result[0]), args, context_length(self.model_provider.model))
         return result
+
+
+class OIQAPIHandler(_server.APIHandler):
+    """mlx-lm's request handler, answering bad requests at once with a status that says
+    what is wrong: 400 for a request that cannot be served as it is (empty
+    ``messages``, a prompt or ``max_tokens`` past the context), 404 for a model name that
+    names no model, 409 for another model while the served one is answering requests
+    (mlx-lm would let them all finish first, the client waiting).  mlx-lm answers every
+    error raised while a request is prepared with 404."""
+
+    def validate_model_parameters(self) -> None:
+        super().validate_model_parameters()
+        if "max_tokens" not in self.body and self.body.get("max_completion_tokens") is None:
+            self.max_tokens = DefaultMaxTokens(self.max_tokens)
+
+    def handle_chat_completions(self):
+        messages = self.body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError(400, "messages must be a non-empty list of messages "
+                                    f"(got {json.dumps(messages)[:80]})")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            raise RequestError(400, "each message must be an object with a 'role' string "
+                                    f"(got {json.dumps(messages)[:80]})")
+        return super().handle_chat_completions()
+
+    def do_POST(self):
+        self.answered = False
+        try:
+            super().do_POST()
+        except UnicodeDecodeError as e:
+            # mlx-lm decodes the body as UTF-8 before parsing it, outside its JSON error
+            # handling: the client would get no answer at all
+            if self.answered:
+                raise
+            self._refuse(400, f"Invalid JSON in request body: not UTF-8 ({e})")
+        except (BrokenPipeError, ConnectionResetError):
+            # the client left (its sequence has been told to stop): one line, not a traceback
+            logging.info("oiq_mlx: the client of %s went away", self.path)
+
+    def _set_stream_headers(self, status_code: int = 200):
+        self.answered = True
+        super()._set_stream_headers(status_code)
+
+    def _set_completion_headers(self, status_code: int = 200):
+        self.answered = True
+        # mlx-lm answers an error of the generation thread with 404 from inside its
+        # ``except`` clause; the error being handled there says the status
+        error = sys.exc_info()[1]
+        if status_code == 404 and isinstance(error, RequestError):
+            status_code = error.status
+        super()._set_completion_headers(status_code)
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._set_completion_headers(status)
+        self.end_headers()
+        self.wfile.write(json.dumps({"error": message}).encode())
+
+    def handle_completion(self, request, stop_words):
+        generator = self.response_generator
+        provider = generator.model_provider
+        name = self.requested_model
+        try:
+            key = provider.request_key(name, self.adapter, self.requested_draft_model)
+        except (ValueError, FileNotFoundError) as e:
+            return self._refuse(404, f"model {name!r} is not available: {e}. This server serves "
+                                     f"{provider.served_name()!r} (name it, or leave 'model' out)")
+        busy = generator.begin(key)
+        if busy is not None:
+            served, asked = provider.served_name(busy[0]), provider.served_name(key)
+            return self._refuse(409, f"model {asked!r} is not the model {served!r}, which is answering "
+                                     f"{busy[1]} request(s); the server holds one model and loads {asked!r} "
+                                     f"once they finish: retry then, or ask for {served!r}")
+        try:
+            return super().handle_completion(request, stop_words)
+        finally:
+            generator.end(key)
+
+
+class OIQHTTPServer(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5: more clients connecting at once, while the
+    # generation thread holds the interpreter, find their connections reset
+    request_queue_size = 128
 
 
 def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
@@ -249,7 +430,8 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
     generator = OIQResponseGenerator(provider, prompt_cache)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if group.rank() == 0:
-        _server._run_http_server(host, port, generator)
+        _server._run_http_server(host, port, generator, server_class=OIQHTTPServer,
+                                 handler_class=OIQAPIHandler)
     else:
         # as mlx_lm.server.run: the other ranks receive rank 0's requests
         # through the generation loop and serve no HTTP themselves
