@@ -89,3 +89,21 @@ POSITIONAL = HostMemo()
 # stream, and mlx-lm's server evaluates caches on its generation thread
 SELECT_FIRST = mx.array(np.array([True, False]).reshape(2, 1, 1, 1, 1))
 ZERO = mx.array(0.0, mx.float32)
+
+
+def check_update(cache, keys, values):
+    """ValueError, saying what is wrong, for keys and values ``cache.update_and_fetch`` cannot take."""
+    for name, x in (("keys", keys), ("values", values)):
+        if not isinstance(x, mx.array) or x.ndim != 4:
+            raise ValueError(f"{name} must be an mx.array of shape (B, n_kv_heads, L, head_dim)")
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if keys.shape[:3] != values.shape[:3]:
+        raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on (B, n_kv_heads, L)")
+    if cache.head_dim is not None and keys.shape[-1] != cache.head_dim:
+        raise ValueError(f"this cache was made for head_dim {cache.head_dim}, got keys of {keys.shape[-1]}")
+    if cache.dtype is not None:
+        expected = (cache.batch_heads, cache.k.head_dim, cache.v.head_dim)
+        got = (tuple(keys.shape[:2]), keys.shape[-1], values.shape[-1])
+        if got != expected:
+            raise ValueError(f"this cache holds (B, H), k_dim, v_dim = {expected}, got {got}")

@@ -140,6 +140,8 @@ class CacheReads:
     def dequantized_kv(self):
         """All keys and values as the attention sees them, un-rotated, float32,
         ``(B, H, offset, d)``.  For evaluation and tests, not for decoding."""
+        if self.dtype is None:
+            raise ValueError("dequantized_kv: the cache is empty (nothing was written to it yet)")
         sink_k, sink_v, quant, recent_k, recent_v = self.segments()
         out = []
         for side, parts in ((self.k, (sink_k, quant and quant[:2], recent_k)), (self.v, (sink_v, quant and quant[2:], recent_v))):

@@ -31,6 +31,9 @@ Cache files: :attr:`OIQKVCache.state` and its checks are in ``files.py``; what a
 
 from __future__ import annotations
 
+import numbers
+import warnings
+
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
@@ -38,13 +41,15 @@ from ..core.codec import bytes_per_token, row_width
 from ..core.config import OIQConfig
 from ..kernels import dispatch
 from .batch import BatchOIQKVCache, detached_copy
-from .common import SELECT_FIRST, ZERO, center_one, center_pair, expected_signs, grow, halves, pad_last
+from .common import SELECT_FIRST, ZERO, center_one, check_update, center_pair, expected_signs, grow, halves, pad_last
 from .files import cache_state, restore_state
 from .reading import CacheReads
 from .side import SideStorage
+
 # Packing more rows than this at once (a prompt) quantizes keys and values one after the other,
 # which halves the reference quantizer's temporaries; a decode step's block goes in one pass.
 _STACK_MAX_ROWS = 64
+
 
 class OIQKVCache(CacheReads, _BaseCache):
     """mlx-lm cache contract (``update_and_fetch``, ``offset``, ``state``,
@@ -69,9 +74,12 @@ class OIQKVCache(CacheReads, _BaseCache):
         self.config = config if config is not None else OIQConfig()
         if not isinstance(self.config, OIQConfig):
             raise ValueError(f"config must be an OIQConfig, got {type(self.config).__name__}")
+        for name, x, low in (("layer_idx", layer_idx, 0), ("head_dim", 1 if head_dim is None else head_dim, 1)):
+            if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {x!r}")
         if head_dim is not None:
             self.config.storage_dim(head_dim)
-        self.layer_idx = int(layer_idx)
+        self.layer_idx, self.head_dim = int(layer_idx), head_dim  # head_dim: what keys must have, when given
         # which slice of a sharded model this cache belongs to (oiq_mlx.mlx_lm.sharding
         # sets it; saved in state so a saved cache loads only on the same layout)
         self.layout = None
@@ -109,26 +117,18 @@ class OIQKVCache(CacheReads, _BaseCache):
             # grown as sink tokens arrive (a huge sink_tokens costs only what is held)
             side.sink = mx.zeros((*bh, 0, dim), self.dtype)
 
-    def _check(self, keys, values):
-        for name, x in (("keys", keys), ("values", values)):
-            if not isinstance(x, mx.array) or x.ndim != 4:
-                raise ValueError(f"{name} must be an mx.array of shape (B, n_kv_heads, L, head_dim)")
-            if not mx.issubdtype(x.dtype, mx.floating):
-                raise ValueError(f"{name} must be floating point, got {x.dtype}")
-        if keys.shape[:3] != values.shape[:3]:
-            raise ValueError(f"keys {keys.shape} and values {values.shape} disagree on (B, n_kv_heads, L)")
-        if self.dtype is not None:
-            expected = (self.batch_heads, self.k.head_dim, self.v.head_dim)
-            got = (tuple(keys.shape[:2]), keys.shape[-1], values.shape[-1])
-            if got != expected:
-                raise ValueError(f"this cache holds (B, H), k_dim, v_dim = {expected}, got {got}")
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's ``kv_bits`` conversion (``maybe_quantize_kv_cache``): the cache stays itself, and says so."""
+        warnings.warn(f"kv_bits={bits} is ignored: OIQ caches are quantized already (K{self.k.bits}V{self.v.bits}"
+                      "); set other bits with OIQConfig", stacklevel=2)
+        return self
 
     @property
     def batch_heads(self):
         return tuple(self.k.sink.shape[:2]) if self.k.sink is not None else None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self._check(keys, values)
+        check_update(self, keys, values)
         if self.dtype is None:
             self._init_storage(keys, values)
         cfg, start, L = self.config, self.offset, keys.shape[2]
