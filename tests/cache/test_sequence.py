@@ -343,7 +343,7 @@ def test_head_dims_are_padded_or_rejected():
     cfg = OIQConfig()
     assert cfg.storage_dim(64) == 64 and cfg.storage_dim(80) == 96 and cfg.storage_dim(36) == 64
     assert OIQConfig(group_size=128).storage_dim(80) == 128
-    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+    with pytest.raises(ValueError, match="head_dim must be an integer >= 1, got 0"):
         OIQKVCache(cfg, head_dim=0)
     model = tiny_llama(head_dim=64)
     model.args.head_dim = -3
