@@ -10,8 +10,8 @@ The everyday API (``__all__``):
 - ``make_oiq_cache(model, config)``: a prompt-cache list for ``mlx_lm.generate``;
 - ``OIQKVCache``, ``BatchOIQKVCache``: the cache classes (one sequence, a batch);
 - ``end_prefill(cache)``, ``kv_memory(cache)``: pack a held prompt now; bytes held vs float16;
-- ``save_prompt_cache``, ``load_prompt_cache``: mlx-lm's ``save_prompt_cache``, and its
-  ``load_prompt_cache`` with the file checked first (class list, scalars, layer count:
+- ``save_prompt_cache``, ``load_prompt_cache``: mlx-lm's ``save_prompt_cache`` (a decoding batch
+  unstacked first), and its ``load_prompt_cache`` with the file checked first (class list, scalars, layer count:
   ``oiq_mlx.mlx_lm.prompt_files``); mlx-lm's own loader also reads OIQ caches once ``oiq_mlx``
   is imported;
 - ``load``, ``load_model``, ``resolve_model``, ``demo_model_path``, ``gemma3_model_path``,
@@ -28,13 +28,13 @@ from .core.platform import preload_openblas
 
 preload_openblas()
 
-from mlx_lm.models.cache import save_prompt_cache  # noqa: E402
 
 from .cache import BatchOIQKVCache, OIQKVCache  # noqa: E402
 from .core.config import OIQConfig  # noqa: E402
 from .core.version import __version__  # noqa: E402
 from .mlx_lm.caches import end_prefill, kv_memory, make_oiq_cache  # noqa: E402
 from .mlx_lm.prompt_files import load_cache_file as load_prompt_cache  # noqa: E402
+from .mlx_lm.prompt_files import save_cache_file as save_prompt_cache  # noqa: E402
 from .mlx_lm.models import default_text, demo_model_path, gemma3_model_path, load, load_model, resolve_model  # noqa: E402
 from .mlx_lm.routing import install  # noqa: E402
 

@@ -9,6 +9,8 @@ the same files (``save_prompt_cache`` writes them) and refuses, with a ``ValueEr
 part at fault, a file whose class list, scalar list or arrays do not fit together; each state is
 then checked by its class (:meth:`OIQKVCache.from_state` checks every field, ``files.py``).
 ``oiq_mlx.load_prompt_cache`` and ``oiq-generate --prompt-cache-file`` load through it.
+:func:`save_cache_file` (``oiq_mlx.save_prompt_cache``) is mlx-lm's ``save_prompt_cache`` after
+giving a decoding batch's sequences their storage back, so every cache it is given loads again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from mlx.utils import tree_unflatten
 
 from ..cache.batch import BatchOIQKVCache
 from ..cache.sequence import OIQKVCache
+from .caches import leaves
+
+
+def save_cache_file(path, cache: list, metadata: dict | None = None) -> None:
+    """mlx-lm's ``save_prompt_cache(path, cache, metadata)``.  A :class:`BatchOIQKVCache` that is
+    decoding holds its storage stacked across the sequences, and its ``state`` is that storage
+    (what mlx-lm evaluates every step, so it is not copied per step); it is unstacked first, which
+    changes nothing it holds, so that the file has one state per sequence and loads."""
+    for c in leaves(cache):
+        if isinstance(c, BatchOIQKVCache):
+            c.unstack()
+    mlx_cache.save_prompt_cache(path, cache, {} if metadata is None else metadata)
 
 
 def cache_classes() -> dict:

@@ -274,7 +274,10 @@ def test_a_batch_cache_saves_and_loads_exactly(tmp_path, capsys):
         assert mx.array_equal(a, b)
 
 
-def test_a_batch_saved_while_stacked_is_refused_clearly(tmp_path):
+def test_a_batch_saved_while_stacked(tmp_path):
+    """A decoding batch holds its storage stacked, and its ``state`` is that storage: mlx-lm's own
+    ``save_prompt_cache`` writes it, and loading refuses the file saying what to do;
+    ``oiq_mlx.save_prompt_cache`` unstacks first, and the file loads and decodes on exactly."""
     model = tiny_llama(layers=2)
     per_seq = []
     for prompt in (PROMPT[:20], PROMPT[:25]):
@@ -288,3 +291,13 @@ def test_a_batch_saved_while_stacked_is_refused_clearly(tmp_path):
     save_prompt_cache(path, batch)
     with pytest.raises(ValueError, match="stacked decode storage .* unstack"):
         load_cache_file(path)
+    _decode(model, batch, [(62, 63)])  # stacked again
+    assert batch[0].stacked is not None
+    path = str(tmp_path / "saved.safetensors")
+    oiq_mlx.save_prompt_cache(path, batch)
+    loaded = oiq_mlx.load_prompt_cache(path)
+    steps = [(70 + i, 80 + i) for i in range(20)]
+    want = _decode(model, batch, steps)
+    got = _decode(model, loaded, steps)
+    for a, b in zip(got, want):
+        assert mx.array_equal(a, b)
