@@ -182,14 +182,13 @@ class OIQKVCache(CacheReads, _BaseCache):
         return self, self
 
     def end_prefill(self):
-        """``exact_prefill``: end the prompt's prefill now.  The rows it kept in full
-        precision are packed as a prompt written in one call leaves them, with the
-        statistics estimated on all of them (the sinks left out, as the first call's
-        estimate leaves them out), and the full-precision buffer drops what is packed.
-        Called by the first one-token call and by a call that would take the cache past
-        ``exact_prefill`` tokens, before they write; call it yourself before saving a
-        prompt's cache (``oiq-cache-prompt`` does) or to free the memory early.  A no-op
-        once the prefill has ended, and without ``exact_prefill``."""
+        """``exact_prefill``: end the prompt's prefill now.  The rows it kept in full precision
+        are packed as a prompt written in one call leaves them, with the statistics estimated on
+        all of them (the sinks left out, as the first call's estimate leaves them out), and the
+        full-precision buffer drops what is packed.  Called by the first one-token call, by a
+        call that would take the cache past ``exact_prefill`` tokens (before they write), and by
+        ``trim`` (speculative decoding trims after each verify call; a prefill never trims);
+        call it before saving a prompt's cache or to free memory early.  A no-op once ended."""
         if not self._prefilling:
             return
         self._prefilling = False
@@ -534,6 +533,7 @@ class OIQKVCache(CacheReads, _BaseCache):
         self.q_end = max(cfg.sink_tokens, min(self.q_end, self.offset, max(wanted, self.recent_start)))
         if cfg.positional and self.q_end == cfg.sink_tokens and self.dtype is not None:
             self._reset_statistics()
+        self.end_prefill()  # generation is under way: the verify calls that follow read it packed
         return n
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):

@@ -102,9 +102,10 @@ def leaves(caches):
 def end_prefill(cache: list):
     """End the prompt's prefill in every OIQ layer of ``cache``
     (:meth:`OIQKVCache.end_prefill`, ``exact_prefill``): for callers that write
-    more than one token per call after a prompt (chunked scoring, speculative
-    decoding's verify calls), which would otherwise keep the rows in full
-    precision up to ``exact_prefill`` tokens, and before saving a prompt cache."""
+    more than one token per call after a prompt (chunked scoring; speculative
+    decoding's ``trim`` after its first verify call ends it by itself), which
+    would otherwise keep the rows in full precision up to ``exact_prefill``
+    tokens, and before saving a prompt cache."""
     for c in leaves(cache):
         if isinstance(c, OIQKVCache):
             c.end_prefill()
