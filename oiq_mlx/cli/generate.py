@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
 
 import mlx.core as mx
 from mlx_lm import stream_generate
@@ -31,6 +32,10 @@ from ..mlx_lm.prompt_files import load_cache_file
 from .options import (DEFAULT_MODEL, ArgumentParser, HelpFormatter, UsageError, add_model_options, add_oiq_options, build_cache,
                       cache_label, check_no_oiq, config_from_args, count_arg, exit_process, load_from_args, memory_line, oiq_options_given,
                       positive_arg, probability_arg, read_prompt, run, seed_arg, temperature_arg, top_p_arg)
+
+# how long a rank > 0 waits before it exits on an input error, so that rank 0 reports it
+RANK_GRACE_S = 2.0
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
@@ -157,6 +162,17 @@ def _main(argv) -> int:
 
     # one process: None; under mlx.launch the model is sharded and ranks > 0 print nothing
     shard_run = ShardedRun.from_launch(args.sharding)
+    try:
+        return _generate(args, prompt, shard_run)
+    except UsageError:
+        if shard_run is not None and shard_run.rank != 0:
+            # rank 0 says what every rank says; a rank that exits first makes mlx.launch stop
+            # rank 0, maybe before its error line is out
+            time.sleep(RANK_GRACE_S)
+        raise
+
+
+def _generate(args, prompt: str, shard_run) -> int:
     if args.prompt_cache_file is not None:
         cache, metadata = _load_cache_file(args.prompt_cache_file)
         _check_cache_config(args, cache)
