@@ -31,7 +31,6 @@ from .options import (
     add_oiq_options,
     build_cache,
     cache_label,
-    check_no_oiq,
     config_from_args,
     exit_process,
     load_from_args,
@@ -66,7 +65,6 @@ def _main(argv) -> int:
     prompt = read_prompt(args.prompt)
     if not prompt:
         raise UsageError("the prompt is empty")
-    check_no_oiq(args)
     try:
         config = config_from_args(args)
     except ValueError as e:

@@ -88,7 +88,10 @@ def _load_cache_file(path: str):
 
 def _check_cache_config(args, cache):
     """The cache file decides the cache kind; options that say otherwise are an error (as in mlx_lm.generate)."""
-    check_no_oiq(args)
+    try:
+        check_no_oiq(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     stored = [c.config for c in cache if isinstance(c, OIQKVCache)]
     given = oiq_options_given(args)
     if args.no_oiq and stored:
@@ -203,7 +206,6 @@ def _generate(args, prompt: str, shard_run) -> int:
             raise UsageError(str(e)) from None
         if auto and args.no_oiq:
             raise UsageError("--layer-bits auto does not apply with --no-oiq")
-        check_no_oiq(args)
         try:
             config = config_from_args(args, allow_auto=True)
         except ValueError as e:

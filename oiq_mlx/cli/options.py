@@ -178,21 +178,22 @@ def oiq_options_given(args) -> list[str]:
 
 
 def check_no_oiq(args) -> None:
-    """UsageError when ``--no-oiq`` (mlx-lm's own cache) comes with options that set an OIQ cache:
+    """ValueError when ``--no-oiq`` (mlx-lm's own cache) comes with options that set an OIQ cache:
     they would be ignored, and the run would not be what was asked for."""
     if args.no_oiq:
         given = [flag for flag in oiq_options_given(args) if flag != "--no-oiq"]
         if given:
-            raise UsageError(f"--no-oiq uses mlx-lm's own cache, which the OIQ options given "
+            raise ValueError(f"--no-oiq uses mlx-lm's own cache, which the OIQ options given "
                              f"({' '.join(given)}) do not apply to")
 
 
 def config_from_args(args, *, allow_auto: bool = False):
     """The OIQConfig the options ask for: the preset (or defaults) with the given fields replaced;
-    None for ``--no-oiq`` (see :func:`check_no_oiq`).
+    None for ``--no-oiq``, ValueError for ``--no-oiq`` with OIQ options (:func:`check_no_oiq`).
 
     ``--layer-bits auto``: ValueError unless ``allow_auto``, and then the config
     without layer_bits (the caller calibrates it, :func:`oiq_mlx.mlx_lm.calibrate.parse_auto`)."""
+    check_no_oiq(args)
     if args.no_oiq:
         return None
     overrides = {field: getattr(args, a) for a, field in _OIQ_FIELDS.items() if getattr(args, a) is not None}

@@ -9,7 +9,7 @@ import sys
 
 from ..core.config import OIQConfig
 from ..mlx_lm.server import serve
-from .options import ArgumentParser, UsageError, add_oiq_options, check_no_oiq, config_from_args, exit_process
+from .options import ArgumentParser, add_oiq_options, config_from_args, exit_process
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,10 +35,6 @@ def server_config(args) -> OIQConfig | None:
     ``exact_prefill`` contradicts that (it makes what is stored depend on the chunks), so
     it has no effect on positional caches, and asking for it without ``--no-positional`` is
     an error."""
-    try:
-        check_no_oiq(args)
-    except UsageError as e:
-        raise ValueError(str(e)) from None
     config = config_from_args(args)
     if config is None:
         return None
