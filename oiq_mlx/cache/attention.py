@@ -114,24 +114,27 @@ def oiq_attention(queries: mx.array, cache, scale: float, mask=None, sinks=None)
 
 def reference_output(queries: mx.array, cache, scale: float, mask, sinks, segments) -> mx.array:
     """The reference path of :func:`oiq_attention` over ``segments``: ``(B, n_q, L, v.dim)``
-    float32 (what the decode kernels return too)."""
+    float32 (what the decode kernels return too); many queries (a prompt's) in the cache
+    dtype, as ``scaled_dot_product_attention`` gives them."""
     k, v = cache.k, cache.v
     B, n_q, L, _ = queries.shape
     n_kv = k.sink.shape[1]
     rep = n_q // n_kv
+    mean = _ZERO if v.mean is None else mx.expand_dims(v.mean, 2).reshape(B, n_kv, 1, 1, v.dim)
+    if L > DECODE_MAX_QUERIES:
+        out = _prefill_reference(pad_last(queries, k.dim), scale, cache, mask, sinks, segments)
+        if v.mean is None:
+            return out
+        return (out.reshape(B, n_kv, rep, L, v.dim) + mean).reshape(B, n_q, L, v.dim)
     q = pad_last(queries, k.dim).reshape(B, n_kv, rep, L, k.dim)
     lam = _ONE if k.lam is None else mx.expand_dims(k.lam, 2)
     qs, qr = _prepare_queries(q, scale, lam, k.signs if k.rotated else _ONE)
     if k.rotated:
         qr = rotation.hadamard(qr)
     qs, qr = qs.reshape(B, n_q, L, k.dim), qr.reshape(B, n_q, L, k.dim)
-    if L <= DECODE_MAX_QUERIES:
-        sink, window, packed = _decode_reference(qs, qr, cache, mask, sinks, segments)
-    else:
-        sink, window, packed = _prefill_reference(qs, cache, mask, sinks, segments), None, None
+    sink, window, packed = _decode_reference(qs, qr, cache, mask, sinks, segments)
     if packed is not None and v.rotated:
         packed = rotation.hadamard(packed, transpose=True)
-    mean = _ZERO if v.mean is None else mx.expand_dims(v.mean, 2).reshape(B, n_kv, 1, 1, v.dim)
     out = _combine(mx.float32)(*(_ZERO if x is None else x.reshape(B, n_kv, rep, L, v.dim)
                                  for x in (sink, window, packed)),
                                v.signs if v.rotated else _ONE, mean)
@@ -292,10 +295,11 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
     return sink, window, packed
 
 
-def _prefill_reference(qs: mx.array, cache, mask, sinks, segments=None) -> mx.array:
-    """Many queries (``qs``: times the softmax scale) over ``segments`` (default
-    ``cache.attention_segments()``): the packed segment dequantized into the
-    window's domain for this layer, fused SDPA.  Returns the centered output."""
+def _prefill_reference(queries: mx.array, scale: float, cache, mask, sinks, segments=None) -> mx.array:
+    """Many queries over ``segments`` (default ``cache.attention_segments()``): the packed
+    segment dequantized into the window's domain for this layer, fused SDPA with the softmax
+    scale given to it (as ``KVCache`` attention: no scaled copy of the queries).  Returns the
+    centered output in the cache dtype."""
     k, v, gs = cache.k, cache.v, cache.config.group_size
     sink_k, sink_v, quant, recent_k, recent_v = cache.attention_segments() if segments is None else segments
     ks_, vs_ = [], []
@@ -312,10 +316,8 @@ def _prefill_reference(qs: mx.array, cache, mask, sinks, segments=None) -> mx.ar
     if sinks is not None and k.mean is not None:
         # the sink logit is not shifted like the scores of centered keys: undo the centering
         keys = (keys + k.mean).astype(cache.dtype)
-    compute = cache.dtype
-    return mx.fast.scaled_dot_product_attention(
-        qs.astype(compute), keys, values, scale=1.0, mask=mask, sinks=sinks
-    ).astype(mx.float32)
+    return mx.fast.scaled_dot_product_attention(queries.astype(cache.dtype), keys, values, scale=scale, mask=mask,
+                                                sinks=sinks)
 
 
 

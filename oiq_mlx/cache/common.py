@@ -47,6 +47,17 @@ def grow(buf, used: int, needed: int, step: int, shape_tail, dtype, lead, limit:
     return new
 
 
+def write_rows(buf: mx.array, start: int, rows: mx.array, axis: int = 2) -> mx.array:
+    """``buf`` with ``rows`` written from row ``start`` along ``axis``, in a buffer of its own.
+    An update that covers all of ``buf`` comes back from MLX as the update itself, and a view
+    (a few sink or window rows of a prompt's call) would keep the whole array it views alive:
+    that one is copied."""
+    if rows.shape == buf.shape:
+        return mx.array(rows, dtype=buf.dtype)
+    buf[(slice(None),) * axis + (slice(start, start + rows.shape[axis]),)] = rows
+    return buf
+
+
 def halves(a: mx.array):
     """The two rows of ``a`` along its first axis (keys, values) as views."""
     return a[0:1].reshape(a.shape[1:]), a[1:2].reshape(a.shape[1:])

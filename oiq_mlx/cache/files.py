@@ -64,7 +64,7 @@ def digest(meta: dict) -> str:
 def held_rows(cache) -> tuple[int, int, int]:
     """Rows in use of the sink, the packed segment and the full-precision buffer of ``cache``."""
     s = cache.config.sink_tokens
-    return min(s, cache.offset), max(0, cache.q_end - s), max(0, cache.offset - cache.recent_start)
+    return min(s, cache.offset), max(0, cache.q_end - s), max(0, cache.offset - max(s, cache.recent_start))
 
 
 def cache_state(cache) -> list:
@@ -78,13 +78,16 @@ def cache_state(cache) -> list:
     """
     cfg = cache.config
     n_sink, n_q, n_rec = held_rows(cache)
+    # a prompt waiting whole (exact_prefill) holds its sinks at the front of the window buffer
+    # too: the file keeps them once, as any cache does
+    lead = max(0, cfg.sink_tokens - cache.recent_start)
     arrays = []
     for side in (cache.k, cache.v):
         arrays += [
             None if side.codes is None else side.codes[:, :, :n_q],
             None if side.scales is None else side.scales[:, :, :n_q],
-            None if side.sink is None else side.sink[:, :, :n_sink],
-            None if side.recent is None else side.recent[:, :, :n_rec],
+            None if side.sink is None else (side.recent if lead else side.sink)[:, :, :n_sink],
+            None if side.recent is None else side.recent[:, :, lead : lead + n_rec],
             side.signs,
             side.mean,
             side.lam,
@@ -95,7 +98,7 @@ def cache_state(cache) -> list:
         "layer_idx": cache.layer_idx,
         "offset": cache.offset,
         "q_end": cache.q_end,
-        "recent_start": cache.recent_start,
+        "recent_start": max(cfg.sink_tokens, cache.recent_start),
         "dtype": None if cache.dtype is None else str(cache.dtype).split(".")[-1],
         "head_dims": [cache.k.head_dim, cache.v.head_dim],
         "dims": [cache.k.dim, cache.v.dim],

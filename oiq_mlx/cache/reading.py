@@ -51,8 +51,10 @@ class CacheReads:
         """
         cfg = self.config
         n_sink = min(cfg.sink_tokens, self.offset)
-        sink_k = self.k.sink[:, :, :n_sink] if n_sink else None
-        sink_v = self.v.sink[:, :, :n_sink] if n_sink else None
+        # a prompt waiting whole (exact_prefill) holds its sinks in the window buffer, from row 0
+        where = "recent" if self.recent_start < cfg.sink_tokens else "sink"
+        sink_k = getattr(self.k, where)[:, :, :n_sink] if n_sink else None
+        sink_v = getattr(self.v, where)[:, :, :n_sink] if n_sink else None
         n_q = self.q_end - cfg.sink_tokens if self.offset > cfg.sink_tokens else 0
         quant = self._packed_views(n_q)[:4] if n_q > 0 else None
         a, b = max(self.q_end, cfg.sink_tokens) - self.recent_start, self.offset - self.recent_start
@@ -84,6 +86,10 @@ class CacheReads:
         twice, packed up to ``q_end`` and in full precision from the position it
         found, and :meth:`positional_mask` tells each query which copy it reads.
         """
+        if self.recent_start < self.config.sink_tokens and self.k.recent is not None:
+            # a prompt waiting whole (exact_prefill), sinks included, in one buffer from position 0
+            n = self.offset - self.recent_start
+            return None, None, None, self.k.recent[:, :, :n], self.v.recent[:, :, :n]
         segs = self.segments()
         start = self._attend_from
         if start is None or start >= self.q_end or (self.config.positional and self._call_tokens == 1):

@@ -41,8 +41,10 @@ from ..core.codec import bytes_per_token, row_width
 from ..core.config import OIQConfig
 from ..kernels import dispatch
 from .batch import BatchOIQKVCache, detached_copy
-from .common import SELECT_FIRST, ZERO, center_one, check_update, center_pair, expected_signs, grow, halves, pad_last
+from .common import (SELECT_FIRST, ZERO, center_one, center_pair, check_update, expected_signs, grow, halves,
+                     pad_last, write_rows)
 from .files import cache_state, restore_state
+from .prefill import PIECE_ROWS, PromptPacking, eval_now
 from .reading import CacheReads
 from .side import SideStorage
 
@@ -51,7 +53,7 @@ from .side import SideStorage
 _STACK_MAX_ROWS = 64
 
 
-class OIQKVCache(CacheReads, _BaseCache):
+class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
     """mlx-lm cache contract (``update_and_fetch``, ``offset``, ``state``,
     ``from_state``, ``trim``, ``make_mask``, ``nbytes``...) over OIQ storage.
 
@@ -141,6 +143,11 @@ class OIQKVCache(CacheReads, _BaseCache):
         deferring = self._prefilling and L > 1 and start + L <= cfg.exact_prefill
         if self._prefilling and not deferring:
             self.end_prefill()
+        if deferring and start == 0 and cfg.sink_tokens:
+            # the prompt waits in one buffer from position 0, its sinks included: a prefill call
+            # attends that buffer as it is (attention_segments), not a copy of it joined to the
+            # sinks; end_prefill copies the sinks out and moves the buffer's start past them
+            self.recent_start = 0
         # rows from here on (the window as this call finds it, and the call's own rows) are
         # attended in full precision by this call's queries, even those the call packs
         self._attend_from = found = max(self.q_end, cfg.sink_tokens)
@@ -153,7 +160,8 @@ class OIQKVCache(CacheReads, _BaseCache):
             a, b = found - self.recent_start, start - self.recent_start
             found_rows = (self.k.recent[:, :, a:b], self.v.recent[:, :, a:b])
         n_sink = max(0, min(cfg.sink_tokens, start + L) - start)
-        if L > n_sink:
+        skip = n_sink if self.recent_start >= cfg.sink_tokens else 0  # rows the window buffer leaves to the sinks
+        if L > skip:
             self._reserve_recent(start + L, bh)
         k_rows, v_rows, both = self._to_window(keys, values, n_sink, estimate=not deferring)
         if packs_own:
@@ -162,75 +170,43 @@ class OIQKVCache(CacheReads, _BaseCache):
             self._fresh = own if found_rows is None else tuple(
                 mx.concatenate([f, o], axis=2) for f, o in zip(found_rows, own))
         for side, y in ((self.k, k_rows), (self.v, v_rows)):
-            if n_sink:
+            if n_sink and skip:
                 side.sink = grow(side.sink, start, start + n_sink, self.step, (side.dim,), self.dtype, bh,
                                   limit=cfg.sink_tokens)
-                side.sink[:, :, start : start + n_sink] = y[:, :, :n_sink]
-        if L > n_sink:
-            a = start + n_sink - self.recent_start
+                side.sink = write_rows(side.sink, start, y[:, :, :n_sink])
+        if L > skip:
+            a = start + skip - self.recent_start
             if self._kv_recent is not None:
-                # keys and values stacked: one write, as KVCache's one per side
-                self._kv_recent[:, :, :, a : a + L - n_sink] = both[:, :, :, n_sink:]
+                if both is not None:
+                    # keys and values stacked: one write, as KVCache's one per side
+                    self._kv_recent[:, :, :, a : a + L - skip] = both[:, :, :, skip:]
+                else:
+                    for i, y in enumerate((k_rows, v_rows)):
+                        self._kv_recent[i : i + 1, :, :, a : a + L - skip] = y[None, :, :, skip:]
                 self.k.recent, self.v.recent = halves(self._kv_recent)
             else:
                 for side, y in ((self.k, k_rows), (self.v, v_rows)):
-                    side.recent[:, :, a : a + L - n_sink] = y[:, :, n_sink:]
+                    side.recent[:, :, a : a + L - skip] = y[:, :, skip:]
         self.offset = start + L
         self._call_tokens = L
         if not deferring:
             self._flush(bh)
         return self, self
 
-    def end_prefill(self):
-        """``exact_prefill``: end the prompt's prefill now.  The rows it kept in full precision
-        are packed as a prompt written in one call leaves them, with the statistics estimated on
-        all of them (the sinks left out, as the first call's estimate leaves them out), and the
-        full-precision buffer drops what is packed.  Called by the first one-token call, by a
-        call that would take the cache past ``exact_prefill`` tokens (before they write), and by
-        ``trim`` (speculative decoding trims after each verify call; a prefill never trims);
-        call it before saving a prompt's cache or to free memory early.  A no-op once ended."""
-        if not self._prefilling:
-            return
-        self._prefilling = False
-        if self.dtype is None or self.offset == 0:
-            return  # nothing waited: the call ending it estimates on its own rows
-        if self.k.needs_statistics or self.v.needs_statistics:
-            # the rows held are the prompt's: estimated as the first call's rows would be
-            # had the prompt come in one call (its sinks left out unless it is all sinks)
-            n_sink = min(self.config.sink_tokens, self.offset)
-            for side in (self.k, self.v):
-                if side.needs_statistics:
-                    rows = side.sink[:, :, :n_sink]
-                    if side.recent is not None and self.offset > n_sink:
-                        rows = mx.concatenate([rows, side.recent[:, :, : self.offset - self.recent_start]], axis=2)
-                    side.estimate(rows, n_sink)
-            self._stacked = None
-            self._shift_held(center=True)
-        self._attend_from = self._fresh = None
-        bh = self.batch_heads
-        self._flush(bh)
-        if self._keep_from() > self.recent_start:
-            self._compact(self.offset, bh)
-
-    @property
-    def prefilling(self) -> bool:
-        """True while ``exact_prefill`` keeps the prompt's rows in full precision
-        (until :meth:`end_prefill`)."""
-        return self._prefilling
-
     def _to_window(self, keys: mx.array, values: mx.array, skip: int, estimate: bool = True):
         """New keys and values as the window stores them: padded, minus the side's mean
         (estimated on the first chunk, its first ``skip`` tokens left out), in the
         cache dtype.  Not rotated: only rows that get packed are (DESIGN.md section 5).
         Returns ``(keys, values, both)``: ``both`` stacks them on a new first axis (one
-        elementwise pass) when their widths agree, else None."""
+        elementwise pass) when their widths agree and they need that pass (a mean to
+        subtract, or a few rows: one write of both), else None."""
         k, v = self.k, self.v
         keys, values = pad_last(keys, k.dim), pad_last(values, v.dim)
         if estimate and not self.config.positional:
             for side, x in ((k, keys), (v, values)):
                 if side.needs_statistics:
                     side.estimate(x, skip)
-        if k.dim == v.dim:
+        if k.dim == v.dim and (k.mean is not None or v.mean is not None or keys.shape[2] <= _STACK_MAX_ROWS):
             both = center_pair(self.dtype)(keys[None], values[None], ZERO if k.mean is None else k.mean,
                                             ZERO if v.mean is None else v.mean, SELECT_FIRST)
             return (*halves(both), both)
@@ -239,11 +215,14 @@ class OIQKVCache(CacheReads, _BaseCache):
 
     def _keep_from(self) -> int:
         """First position the full-precision buffer must keep: the trim reserve, and the
-        rows the current call attends in full precision unless they are held aside."""
+        rows the current call attends in full precision unless they are held aside; while the
+        prompt waits (``exact_prefill``), all of it."""
+        if self._prefilling:
+            return self.recent_start
         keep = self.q_end - self.reserve
         if self._attend_from is not None and self._fresh is None:
             keep = min(keep, self._attend_from)
-        return max(self.recent_start, keep)
+        return max(self.recent_start, self.config.sink_tokens, keep)
 
     def _reserve_recent(self, end: int, bh):
         """Make the full-precision buffers hold positions up to ``end``,
@@ -260,14 +239,14 @@ class OIQKVCache(CacheReads, _BaseCache):
         if self.k.dim == self.v.dim:
             new = mx.zeros((2, *bh, cap, self.k.dim), self.dtype)
             if self._kv_recent is not None and used > drop:
-                new[:, :, :, : used - drop] = self._kv_recent[:, :, :, drop:used]
+                new = write_rows(new, 0, self._kv_recent[:, :, :, drop:used], axis=3)
             self._kv_recent = new
             self.k.recent, self.v.recent = halves(new)
         else:
             for side in (self.k, self.v):
                 new = mx.zeros((*bh, cap, side.dim), self.dtype)
                 if side.recent is not None and used > drop:
-                    new[:, :, : used - drop] = side.recent[:, :, drop:used]
+                    new = write_rows(new, 0, side.recent[:, :, drop:used])
                 side.recent = new
         self.recent_start = keep_from
 
@@ -347,75 +326,30 @@ class OIQKVCache(CacheReads, _BaseCache):
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - s, target - s
         self._packed_room(qa, qb, bh)
-        if self._pairs_packed:
-            if b - a <= _STACK_MAX_ROWS:
-                # keys and values stacked: one quantize pass, one write
-                self._kv_rows[:, :, :, qa:qb] = self._quantize_rows(a, b)
-            else:
-                # a prompt's rows: one side at a time, which halves the temporaries of the
-                # reference quantizer (the extra launch and write are once per prompt)
-                for i, rows in enumerate(self._quantize_rows(a, b, stacked=False)):
-                    self._kv_rows[i : i + 1, :, :, qa:qb] = rows[None]
+        if self._pairs_packed and b - a <= _STACK_MAX_ROWS:
+            # keys and values stacked: one quantize pass, one write
+            self._kv_rows[:, :, :, qa:qb] = self._quantize_rows(a, b)
             self.k.rows, self.v.rows = halves(self._kv_rows)
         else:
-            for side, rows in zip((self.k, self.v), self._quantize_rows(a, b)):
-                side.rows[:, :, qa:qb] = rows
+            # a prompt's rows: in pieces of PIECE_ROWS, one side at a time, each evaluated before
+            # the next is built, so the quantizer's temporaries are those of one piece
+            # (prefill.py; the launches and syncs are once per prompt)
+            step = PIECE_ROWS if b - a > _STACK_MAX_ROWS else b - a
+            for lo in range(a, b, step):
+                hi = min(b, lo + step)
+                for i, (side, rows) in enumerate(zip((self.k, self.v), self._quantize_rows(lo, hi, stacked=False))):
+                    at = (slice(None), slice(None), slice(qa + lo - a, qa + hi - a))
+                    if self._pairs_packed:
+                        self._kv_rows[(slice(i, i + 1), *at)] = rows[None]
+                    else:
+                        side.rows[at] = rows
+                if step < b - a:
+                    eval_now(self._kv_rows if self._pairs_packed else [self.k.rows, self.v.rows])
+            if self._pairs_packed:
+                self.k.rows, self.v.rows = halves(self._kv_rows)
         self._views = None
         self.q_end = target
         self._drop_dead(bh)
-
-    def _estimate_positional(self):
-        """``positional``: before the first block is packed, estimate the statistics and
-        center every full-precision row held, as if they had been centered when written."""
-        self.estimate_on_window(self.k.recent, self.v.recent, self.recent_start)
-        self._shift_held(center=True)
-
-    def estimate_on_window(self, k_recent, v_recent, recent_start: int):
-        """``positional``: estimate the statistics on the rows from the sinks up to
-        :attr:`statistics_end` of full-precision buffers ``(B, H, rows, d)`` whose first row
-        is position ``recent_start`` (this cache's, or its slice of a stacked batch's)."""
-        s = self.config.sink_tokens
-        lo, hi = max(s, recent_start) - recent_start, self.statistics_end - recent_start
-        for side, rows in ((self.k, k_recent), (self.v, v_recent)):
-            if side.needs_statistics:
-                side.estimate(rows[:, :, lo:hi], 0)
-        self._stacked = None
-
-    def _shift_held(self, center: bool):
-        """Subtract (``center``) or add back the sides' means from every full-precision row
-        held: the sinks, the window buffer and the rows a call holds aside.  Centering goes
-        through the same pass as rows written after the statistics exist, so a row stores
-        the same value whichever came first."""
-        k, v = self.k, self.v
-        if k.mean is None and v.mean is None:
-            return
-        mk, mv = (ZERO if side.mean is None else side.mean for side in (k, v))
-
-        def shift(x, m):
-            if center:
-                return center_one(self.dtype)(x, m)
-            return (x.astype(mx.float32) + m).astype(self.dtype)
-
-        k.sink, v.sink = shift(k.sink, mk), shift(v.sink, mv)
-        if self._kv_recent is not None:
-            if center:
-                self._kv_recent = center_pair(self.dtype)(self._kv_recent[0:1], self._kv_recent[1:2], mk, mv,
-                                                           SELECT_FIRST)
-            else:
-                self._kv_recent = mx.stack([shift(x, m) for x, m in zip(halves(self._kv_recent), (mk, mv))])
-            k.recent, v.recent = halves(self._kv_recent)
-        elif k.recent is not None:
-            k.recent, v.recent = shift(k.recent, mk), shift(v.recent, mv)
-        if self._fresh is not None:
-            self._fresh = (shift(self._fresh[0], mk), shift(self._fresh[1], mv))
-
-    def _reset_statistics(self):
-        """``positional``: nothing is packed any more, so the statistics, estimated on rows
-        that may since have been trimmed away, are estimated again when a block is next packed."""
-        self._shift_held(center=False)
-        for side in (self.k, self.v):
-            side.mean = side.lam = None
-        self._stacked = None
 
     def _drop_dead(self, bh):
         """Drop the full-precision rows older than the reserve (and than what the current

@@ -104,7 +104,10 @@ class SideStorage:
                 self.lam = mx.maximum(self.lam, loud / self.scale_cap)
         self.mean = m
 
+    def arrays(self) -> list:
+        """Every array this side holds."""
+        return [a for a in (self.rows, self.sink, self.recent, self.mean, self.signs, self.lam) if a is not None]
+
     def nbytes(self) -> int:
-        arrays = (self.rows, self.sink, self.recent, self.mean, self.signs, self.lam)
-        return sum(a.nbytes for a in arrays if a is not None)
+        return sum(a.nbytes for a in self.arrays())
 

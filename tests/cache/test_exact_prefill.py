@@ -156,3 +156,28 @@ def test_generation_with_chunked_prefill_equals_one_chunk():
     # without exact_prefill the 16-token chunks read earlier chunks packed: another cache
     plain = run(16, OIQConfig(**PLAIN))[1]
     assert not np.allclose(np.array(plain[0].k.mean), np.array(one[0].k.mean), atol=1e-3)
+
+
+@pytest.mark.parametrize("preset", ["4bit", "2bit"])
+@pytest.mark.parametrize("piece", [7, 16, 61])
+def test_a_prompt_packed_in_pieces_is_packed_as_in_one_pass(monkeypatch, preset, piece):
+    """end_prefill and a long call pack in pieces of PIECE_ROWS rows, each evaluated before the
+    next (prefill.py): the codes and scales are those of one pass over all rows, which pieces
+    larger than the prompt give."""
+    import oiq_mlx.cache.sequence as sequence
+
+    data = _data(4)
+    cfg = OIQConfig.preset(preset, **BASE, exact_prefill=N)
+    monkeypatch.setattr(sequence, "PIECE_ROWS", 10**6)
+    whole, out_whole = _run(cfg, [40, 40, 1, 1], data)
+    monkeypatch.setattr(sequence, "PIECE_ROWS", piece)
+    pieces, out_pieces = _run(cfg, [40, 40, 1, 1], data)
+    assert pieces.q_end > cfg.sink_tokens + 4 * piece or piece == 61  # several pieces were packed
+    assert mx.array_equal(out_pieces, out_whole).item()
+    _assert_same_storage(pieces, whole)
+    # a call past exact_prefill packs its own rows in pieces too
+    plain = OIQConfig.preset(preset, **PLAIN)
+    monkeypatch.setattr(sequence, "PIECE_ROWS", 10**6)
+    whole = _run(plain, [N], data)[0]
+    monkeypatch.setattr(sequence, "PIECE_ROWS", piece)
+    _assert_same_storage(_run(plain, [N], data)[0], whole)
