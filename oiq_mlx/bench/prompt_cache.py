@@ -87,7 +87,7 @@ def run_prompt_cache_bench(*, configs: dict, lengths, model: str = "demo", log_d
                 answer = chat(srv.port, chat_texts(tokenizer, length)[0])
                 mem = settled_memory(srv.port, tokens=answer["usage"]["prompt_tokens"])
                 row = {"config": name, "args": " ".join(args), "length": length, **summary(mem),
-                       "seconds": time.perf_counter() - t0}
+                       "seconds": time.perf_counter() - t0, "memory": mem}
             rows.append(row)
             log(f"[{name}] {length} tokens: prompt cache {row['float16_model_ratio']:.3f}x fp16 as a float16 model "
                 f"({row['unshared_float16_model_ratio']:.3f}x without sharing), {row['seconds']:.0f} s")

@@ -200,15 +200,17 @@ class OIQPromptCache(LRUPromptCache):
     # -- mlx-lm's interface ---------------------------------------------------
 
     def insert_cache(self, model, tokens, prompt_cache, *, cache_type: str = "assistant"):
+        # the copy (for --no-positional, a quantize pass over the prompt) before taking the lock,
+        # which memory() (an HTTP thread) waits for
+        tokens = list(tokens)
+        oiq = bool(oiq_caches(prompt_cache))
+        given = kv_memory(prompt_cache)
+        caches = [packed_entry(c) if isinstance(c, OIQKVCache) else c for c in prompt_cache]
+        mem = kv_memory(caches)
+        entry = Entry(caches, mem["held"], cache_type, model=model, tokens=tuple(tokens), oiq=oiq,
+                      fp16=mem["fp16"], own=mem["held"], own_float16_model=float16_model_bytes(caches),
+                      packed=sum(packed_nbytes(c) for c in caches if isinstance(c, OIQKVCache)))
         with self.lock:
-            tokens = list(tokens)
-            oiq = bool(oiq_caches(prompt_cache))
-            given = kv_memory(prompt_cache)
-            caches = [packed_entry(c) if isinstance(c, OIQKVCache) else c for c in prompt_cache]
-            mem = kv_memory(caches)
-            entry = Entry(caches, mem["held"], cache_type, model=model, tokens=tuple(tokens), oiq=oiq,
-                          fp16=mem["fp16"], own=mem["held"], own_float16_model=float16_model_bytes(caches),
-                          packed=sum(packed_nbytes(c) for c in caches if isinstance(c, OIQKVCache)))
             prev = self._trie.add(model, tokens, entry)
             if prev is not None:
                 self._lru.remove(model, tokens)

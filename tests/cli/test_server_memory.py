@@ -29,8 +29,8 @@ def tokenizer():
 @pytest.mark.parametrize("mode", [[], ["--no-positional"]], ids=["positional", "no-positional"])
 def test_a_chat_leaves_the_prompt_cache_at_a_third_of_fp16(tokenizer, tmp_path, mode):
     """A chat of about 1000 tokens leaves two entries: the checkpoint mlx-lm saves at the end of
-    the user turn and the finished chat.  Both are packed (without positional the checkpoint
-    used to keep the prompt in full precision: 1.00x), and the checkpoint holds the finished
+    the user turn and the finished chat.  Both are packed (without positional, a copy of the
+    live cache would hold the prompt in full precision: 1.00x), and the checkpoint holds the finished
     chat's packed rows as views: the two together hold 0.37x fp16 or less, where two entries of
     their own would hold about 0.63x."""
     with ServerProcess([*OIQ, *mode], log_path=tmp_path / "server.log") as srv:
@@ -91,10 +91,10 @@ def _fill(args, texts, tmp_path, name) -> list:
 
 
 def test_the_prompt_cache_byte_bound_keeps_three_times_the_chats_of_full_precision(tokenizer, tmp_path):
-    """``--prompt-cache-bytes 45MB``, chats of about 450 tokens one after the other: the bound
-    holds after every chat, counted at the bytes the entries hold; full precision (``--no-oiq``,
-    float32 on this machine: one entry of 20 MB a chat) keeps 2 chats, OIQ (checkpoint and
-    finished chat, 6.6 MB) keeps 6."""
+    """``--prompt-cache-bytes 45MB``, chats of 482 tokens one after the other: the bound holds
+    after every chat, counted at the bytes the entries hold; full precision (``--no-oiq``, float32
+    on this machine: one entry of 22.2 MB a chat) keeps 2 chats, OIQ (a checkpoint of 2.2 MB and
+    a finished chat of 5.3 MB) keeps 6."""
     texts = chat_texts(tokenizer, 450, n=7)
     fp = _fill(["--no-oiq"], texts[:3], tmp_path, "fp")
     oiq = _fill(OIQ, texts, tmp_path, "oiq")
