@@ -10,6 +10,7 @@ import warnings
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
+from ..cache.entries import float16_model_nbytes
 from ..cache.sequence import OIQKVCache
 from ..core.config import OIQConfig
 from .routing import install, model_type, unsupported_reason
@@ -144,6 +145,24 @@ def kv_memory(cache: list) -> dict:
         "held": sum(c.nbytes for c in cache),
         "fp16": sum(_fp16_equivalent(c) for c in cache),
     }
+
+
+def float16_model_bytes(cache: list) -> int:
+    """``kv_memory(cache)["held"]`` with every full-precision key and value counted at 2 bytes:
+    what the cache holds for a float16 model (a Mac's usual) when this machine ran the model
+    in float32.  OIQ's packed rows and statistics are counted as held."""
+    return sum(_float16_model(c) for c in cache)
+
+
+def _float16_model(c) -> int:
+    if isinstance(c, CacheList):
+        return sum(_float16_model(x) for x in c.caches)
+    if isinstance(c, OIQKVCache):
+        return float16_model_nbytes(c)
+    keys = getattr(c, "keys", None)
+    if isinstance(keys, mx.array) and mx.issubdtype(keys.dtype, mx.floating):
+        return c.nbytes * 2 // keys.dtype.size
+    return c.nbytes
 
 
 def cache_tokens(cache: list) -> int:

@@ -31,23 +31,26 @@ mlx-lm 0.32.2:
   the running batch.  It listens with a backlog of 128 (socketserver's 5 resets
   clients that connect together) and turns SIGTERM into mlx-lm's own shutdown
   path (``KeyboardInterrupt``);
-* the prompt cache is :class:`OIQPromptCache`, mlx-lm's ``LRUPromptCache``
-  keeping the segment checkpoints of OIQ caches and trimming them only exactly.
+* the prompt cache is :class:`~oiq_mlx.mlx_lm.prompt_cache.OIQPromptCache`,
+  mlx-lm's ``LRUPromptCache`` keeping the segment checkpoints of OIQ caches,
+  trimming them only exactly, holding packed entries that share rows, and
+  bounded by ``--prompt-cache-bytes`` at every insertion;
+* ``GET /v1/oiq/memory`` (:class:`OIQAPIHandler`) reports what the prompt cache
+  and the running sequences' caches hold (:class:`OIQBatchGenerator`, which
+  ``mlx_lm.server`` builds in place of ``BatchGenerator``).
 
 The caches are ``positional`` (:class:`~oiq_mlx.core.config.OIQConfig`) unless
 ``--no-positional``: what a sequence stores and attends to then depends only on
 its tokens, so a request served from a cached prefix gets what a fresh cache
 would give it, and batching or chunking never changes an answer.
 
-The prompt cache holds the OIQ caches themselves: its copies are
-:func:`~oiq_mlx.cache.batch.detached_copy` (new handles on the same packed
-arrays), its byte accounting is ``OIQKVCache.nbytes``, and no dequantized
-float copy is kept.
+The prompt cache holds OIQ caches, packed and compact
+(:func:`~oiq_mlx.cache.entries.packed_entry`), counted by the bytes they hold;
+no dequantized float copy is kept.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
@@ -55,6 +58,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -62,14 +66,14 @@ from pathlib import Path
 import mlx.core as mx
 import mlx_lm.server as _server
 import mlx_lm.utils
+from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import KVCache
 
 from . import sharding as distributed, models
 from ..core.config import OIQConfig
-from ..cache.batch import BatchOIQKVCache
-from ..cache.sequence import OIQKVCache
 from .caches import make_oiq_cache
 from .models import resolve_model
+from .prompt_cache import OIQPromptCache
 
 _MLX_LOAD = mlx_lm.utils.load
 # tokens of the forward pass whose per-rank KV bytes a sharded server reports at start
@@ -175,65 +179,6 @@ class OIQModelProvider(_server.ModelProvider):
         return str(key[0])
 
 
-def _oiq_caches(prompt_cache) -> list:
-    return [c for c in prompt_cache if isinstance(c, (OIQKVCache, BatchOIQKVCache))]
-
-
-def trim_is_exact(prompt_cache, n: int) -> bool:
-    """True when trimming ``n`` tokens leaves every OIQ cache of ``prompt_cache`` as it was
-    when it held that many tokens: the rows that were then full precision are still held
-    in full precision (at most the trim reserve deep)."""
-    for c in _oiq_caches(prompt_cache):
-        if isinstance(c, BatchOIQKVCache):
-            return False
-        offset = c.offset - n
-        if offset > c.config.sink_tokens and c.packed_end(offset) < c.recent_start:
-            return False
-    return True
-
-
-class OIQPromptCache(_server.LRUPromptCache):
-    """mlx-lm's prompt cache, keeping the segment checkpoints of OIQ caches.
-
-    The server saves a cache at the end of each prompt segment (a chat's system
-    prompt) and, when the sequence finishes, its whole cache.  mlx-lm then drops the
-    checkpoints that are prefixes of it whenever the caches can be trimmed, and
-    serves a later request that starts with that system prompt by trimming the
-    finished sequence back.  An OIQ cache trimmed deeper than its trim reserve is
-    not what it was at that length (rows packed since stay packed), so here the
-    checkpoints of OIQ caches are kept (counted in the byte budget as any entry),
-    and a longer entry is only trimmed when the trim is exact
-    (:func:`trim_is_exact`); otherwise a shorter entry serves the request, or none
-    (a fresh prefill).  A request then continues from exactly the state its cached
-    prefix had, which with ``positional`` caches (the server's default) is the state
-    a fresh cache reaches there.  Checked
-    against mlx-lm 0.32.2 (``LRUPromptCache.insert_cache`` / ``fetch_nearest_cache``).
-    """
-
-    def insert_cache(self, model, tokens, prompt_cache, *, cache_type: str = "assistant"):
-        if not _oiq_caches(prompt_cache):
-            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        trie = self._trie
-        trie.pop_prefixes = lambda *args, **kwargs: []  # keep the checkpoints (see above)
-        try:
-            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        finally:
-            del trie.pop_prefixes
-
-    def fetch_nearest_cache(self, model, tokens):
-        found = self._trie.search(model, tokens)
-        short = len(found.shorter) if found.shorter is not None else 0
-        if found.exact is None and found.longer is not None and found.common_prefix > short:
-            longer = self._trie.get(found.model, found.longer).prompt_cache
-            prefix = min(len(tokens) - 1, found.common_prefix)
-            if _oiq_caches(longer) and not trim_is_exact(longer, len(found.longer) - prefix):
-                if not short:
-                    return None, tokens  # a fresh prefill, rather than an inexact trim
-                shorter = self._trie.get(found.model, found.shorter)
-                return copy.deepcopy(shorter.prompt_cache), tokens[short:]
-        return super().fetch_nearest_cache(model, tokens)
-
-
 def context_length(model) -> int | None:
     value = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     return int(value) if value else None
@@ -277,12 +222,74 @@ def check_lengths(n_prompt: int, args, limit: int | None) -> None:
                                     f"together): at most {room} tokens can be generated")
 
 
+class OIQBatchGenerator(BatchGenerator):
+    """mlx-lm's ``BatchGenerator`` that reports, from the generation thread, what its sequences'
+    caches hold: ``report(dict)`` after a step that changed which sequences run, at most every
+    ``interval`` seconds otherwise, and ``report(None)`` once closed."""
+
+    interval = 0.5
+
+    def __init__(self, *args, report=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._report, self._reported = report, (None, 0.0)
+
+    def running(self) -> dict:
+        """``sequences``, ``tokens`` (each sequence's, waiting, prefilling or decoding) and
+        ``bytes``: what their caches hold together (mlx-lm's ``prompt_cache_nbytes``, the
+        figure it subtracts from ``--prompt-cache-bytes``)."""
+        tokens = [len(seq[4]) for seq in self._unprocessed_sequences]
+        tokens += [len(t) for t in self._prompt_batch.tokens] + [len(t) for t in self._generation_batch.tokens]
+        return {"sequences": len(tokens), "tokens": tokens, "bytes": self.prompt_cache_nbytes}
+
+    def _publish(self, force: bool = False) -> None:
+        if self._report is None:
+            return
+        uids = (tuple(s[0] for s in self._unprocessed_sequences), tuple(self._prompt_batch.uids),
+                tuple(self._generation_batch.uids))
+        now = time.monotonic()
+        if force or uids != self._reported[0] or now - self._reported[1] >= self.interval:
+            self._reported = (uids, now)
+            self._report(self.running())
+
+    def insert_segments(self, *args, **kwargs):
+        out = super().insert_segments(*args, **kwargs)
+        self._publish(force=True)
+        return out
+
+    def next(self):
+        out = super().next()
+        self._publish()
+        return out
+
+    def remove(self, uids, return_prompt_caches=False):
+        out = super().remove(uids, return_prompt_caches=return_prompt_caches)
+        self._publish(force=True)
+        return out
+
+    def close(self):
+        super().close()
+        if self._report is not None:
+            self._report(None)
+
+
 class OIQResponseGenerator(_server.ResponseGenerator):
     def __init__(self, model_provider, prompt_cache):
         # the requests being answered, per model key (see OIQAPIHandler.handle_completion)
         self.active: dict = {}
         self.active_lock = threading.Lock()
+        # what the running sequences' caches hold (OIQBatchGenerator's report), None when none run
+        self.running = None
         super().__init__(model_provider, prompt_cache)
+
+    def report_running(self, running: dict | None) -> None:
+        self.running = running
+
+    def memory(self) -> dict:
+        """``GET /v1/oiq/memory``: what the prompt cache holds (:meth:`OIQPromptCache.memory`),
+        and what the running sequences' caches hold (None while no batch runs)."""
+        cache = self.prompt_cache
+        prompt = cache.memory() if isinstance(cache, OIQPromptCache) else {"entries": len(cache), "bytes": cache.nbytes}
+        return {"prompt_cache": prompt, "running": self.running}
 
     def begin(self, key) -> tuple | None:
         """Count a request for model ``key`` as being answered; or, while requests for
@@ -343,6 +350,14 @@ class OIQAPIHandler(_server.APIHandler):
             raise RequestError(400, "each message must be an object with a 'role' string "
                                     f"(got {json.dumps(messages)[:80]})")
         return super().handle_chat_completions()
+
+    def do_GET(self):
+        if self.path.split("?")[0].rstrip("/") == "/v1/oiq/memory":
+            self._set_completion_headers(200)
+            self.end_headers()
+            self.wfile.write(json.dumps(self.response_generator.memory()).encode())
+            return
+        super().do_GET()
 
     def do_POST(self):
         self.answered = False
@@ -426,7 +441,15 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
             logging.getLogger().setLevel(logging.WARNING)
         logging.info("oiq_mlx: %s, for one sequence of %d tokens",
                      distributed.format_kv_bytes(report, provider.model.oiq_layout), KV_PROBE_TOKENS)
-    prompt_cache = OIQPromptCache(provider.cli_args.prompt_cache_size)
+    prompt_cache = OIQPromptCache(provider.cli_args.prompt_cache_size, provider.cli_args.prompt_cache_bytes)
+    generator = None
+
+    def report(running):
+        if generator is not None:
+            generator.report_running(running)
+
+    # mlx_lm.server builds its batch generator by this name, on the generation thread
+    _server.BatchGenerator = functools.partial(OIQBatchGenerator, report=report)
     generator = OIQResponseGenerator(provider, prompt_cache)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     if group.rank() == 0:
