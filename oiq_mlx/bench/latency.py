@@ -401,10 +401,13 @@ def mib(b) -> str:
 
 def model_table(records: list[dict]) -> str:
     lines = [
-        "| context | cache | prefill s | decode ms/token median (p10-p90) | decode vs fp | vs mlx-lm same bits | KV MiB | KV vs fp | prefill peak MiB | decode peak MiB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| context | cache | prefill s | decode ms/token median (p10-p90) | decode vs fp | vs mlx-lm same bits | KV MiB | KV vs fp | prefill peak MiB | prefill peak vs fp | decode peak MiB |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    fp_peak = {r["context"]: r["prefill_peak_bytes"] for r in records if r["kind"] == "fp"}
     for r in records:
+        base = fp_peak.get(r["context"])
+        peak = f"{r['prefill_peak_bytes'] / base:.2f}x" if base else "-"
         s = r["decode_ms_stats"]
         ratio = f"{r['decode_ratio_vs_fp']:.2f}x" if "decode_ratio_vs_fp" in r else "-"
         ratio += f" | {r['decode_ratio_vs_mlx']:.2f}x" if "decode_ratio_vs_mlx" in r else " | -"
@@ -412,7 +415,7 @@ def model_table(records: list[dict]) -> str:
         name = r["cache"] + (f" ({r['kv_dtype']})" if r["kind"] == "fp" and r.get("kv_dtype") else "")
         lines.append(
             f"| {r['context']} | {name} | {r['prefill_s']:.2f} | {s['median']:.1f} ({s['p10']:.1f}-{s['p90']:.1f}) | "
-            f"{ratio} | {mib(r['kv_bytes'])} | {kvr} | {mib(r['prefill_peak_bytes'])} | {mib(r['decode_peak_bytes'])} |"
+            f"{ratio} | {mib(r['kv_bytes'])} | {kvr} | {mib(r['prefill_peak_bytes'])} | {peak} | {mib(r['decode_peak_bytes'])} |"
         )
     return "\n".join(lines)
 

@@ -399,7 +399,7 @@ def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
     need the finished sequence trimmed deeper than the trim reserve; a trim within the
     reserve still reuses the longer entry, and with no shorter entry a deeper trim is not
     made at all."""
-    from oiq_mlx.mlx_lm.server import OIQPromptCache, trim_is_exact
+    from oiq_mlx.mlx_lm.prompt_cache import OIQPromptCache, trim_is_exact
 
     def cache_of(n, seed=3):
         c = OIQKVCache(CFG)
