@@ -26,7 +26,9 @@ current ``update_and_fetch`` found in the window, and its own rows, are full
 precision even when the call already packed them.
 
 Cache files: :attr:`OIQKVCache.state` and its checks are in ``files.py``; what attention reads
-(:class:`~oiq_mlx.cache.reading.CacheReads`, mixed in) in ``reading.py``.
+(:class:`~oiq_mlx.cache.reading.CacheReads`, mixed in) in ``reading.py``; how the prefill ends
+and the statistics are estimated (:class:`~oiq_mlx.cache.prefill.PromptPacking`, mixed in) in
+``prefill.py``.
 """
 
 from __future__ import annotations
