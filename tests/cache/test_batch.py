@@ -446,3 +446,20 @@ def test_sequences_joining_a_stacked_batch_are_appended_to_it():
     _decode_side_by_side(batch, alone, 40, seed=600)
     for i, a in enumerate(alone):
         _assert_same_storage(a, batch.extract(i))
+
+
+def test_batch_generator_sequences_hold_what_one_sequence_holds():
+    """mlx-lm's BatchGenerator (the server's path) with the 4bit preset: each finished
+    sequence's cache holds what the same sequence generated alone holds, byte for byte, and
+    that is packed (about 0.3x float16 at 2k tokens, not the prompt in full precision)."""
+    from oiq_mlx.mlx_lm.caches import float16_model_bytes, kv_memory
+
+    model = tiny_llama(head_dim=64, n_heads=4, n_kv_heads=2, layers=2, vocab=256)
+    prompts = [[(7 * i + 3) % 256 for i in range(n)] for n in (2000, 1500)]
+    cfg = OIQConfig.preset("4bit")
+    _, caches = _batched(model, prompts, 4, cfg)
+    for prompt, cache in zip(prompts, caches):
+        _, alone = _alone(model, prompt, 4, cfg)
+        assert float16_model_bytes(cache) == float16_model_bytes(alone)
+        ratio = float16_model_bytes(cache) / kv_memory(cache)["fp16"]
+        assert ratio < (0.33 if len(prompt) == 2000 else 0.35), ratio
