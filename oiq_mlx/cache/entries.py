@@ -124,10 +124,8 @@ def share_packed_rows(short, long) -> None:
 
 def _materialize(cache) -> None:
     """Evaluate every array ``cache`` holds, views included, so that none stays a lazy graph."""
-    held = [cache._kv_rows, cache._kv_recent]
-    for side in (cache.k, cache.v):
-        held += [side.rows, side.sink, side.recent, side.mean, side.lam, side.signs]
-    mx.eval([a for a in held if a is not None])
+    held = [a for a in (cache._kv_rows, cache._kv_recent) if a is not None]
+    mx.eval(held + cache.k.arrays() + cache.v.arrays())
     cache._views = None
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .common import SELECT_FIRST, ZERO, center_one, center_pair, halves, write_rows
+from .common import SELECT_FIRST, ZERO, center_one, center_pair, halves
 
 # rows of one side packed per evaluated piece when a call packs more than a decode block
 PIECE_ROWS = 512
@@ -51,20 +51,22 @@ class PromptPacking:
             return  # nothing waited: the call ending it estimates on its own rows
         n_sink = min(self.config.sink_tokens, self.offset)
         if self.recent_start == 0 and n_sink:
-            # the prompt waited from position 0 (update_and_fetch): its sinks go to their buffer
+            # the prompt waited from position 0 (update_and_fetch): its sinks go to a buffer of
+            # their own (a copy: a view would keep the whole prompt buffer alive)
             for side in (self.k, self.v):
-                side.sink = write_rows(mx.zeros((*side.recent.shape[:2], n_sink, side.dim), self.dtype), 0,
-                                       side.recent[:, :, :n_sink])
+                side.sink = mx.array(side.recent[:, :, :n_sink])
         if self.k.needs_statistics or self.v.needs_statistics:
             # the rows held are the prompt's: estimated as the first call's rows would be
             # had the prompt come in one call (its sinks left out unless it is all sinks)
             for side in (self.k, self.v):
                 if side.needs_statistics:
-                    rows = side.sink[:, :, :n_sink]
                     if self.recent_start == 0:
                         rows = side.recent[:, :, : self.offset]  # the sinks are held there too
                     elif side.recent is not None and self.offset > n_sink:
-                        rows = mx.concatenate([rows, side.recent[:, :, : self.offset - self.recent_start]], axis=2)
+                        rows = mx.concatenate([side.sink[:, :, :n_sink],
+                                               side.recent[:, :, : self.offset - self.recent_start]], axis=2)
+                    else:
+                        rows = side.sink[:, :, :n_sink]
                     side.estimate(rows, n_sink)
             self._stacked = None
             self._shift_held(center=True)
