@@ -75,9 +75,9 @@ def main(argv=None) -> int:
     if args.mode in ("both", "model"):
         from mlx.utils import tree_flatten
 
-        from oiq_mlx.mlx_lm.models import demo_model_path, load
+        from oiq_mlx.mlx_lm.models import load, resolve_model
 
-        path = demo_model_path() if args.model == "demo" else args.model
+        path = resolve_model(args.model)
         print(f"bench: loading {path}", file=sys.stderr, flush=True)
         model, tokenizer = load(path)
         weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))

@@ -241,6 +241,18 @@ def _decode_step(model, cache, token: int):
     return nxt
 
 
+def _mlx_quantization_gap(model) -> str | None:
+    """Why ``mlx_lm.generate(kv_bits=...)`` cannot run on ``model``, or None:
+    mlx-lm converts every layer's cache with ``to_quantized``, which its
+    ``RotatingKVCache`` (sliding-window layers, as Gemma 3's) does not implement."""
+    for c in make_prompt_cache(model):
+        try:
+            c.to_quantized(group_size=64, bits=4)
+        except NotImplementedError as e:
+            return f"{type(c).__name__} cannot be quantized by mlx-lm ({e})"
+    return None
+
+
 def run_model(
     model,
     tokenizer,
@@ -284,6 +296,10 @@ def run_model(
     warmup = max(warmup, 1)  # the first step after a prefill is prefill's (below), never timed as decode
     n_dec = warmup + decode_steps
     max_ctx = model_max_context(model)
+    unsupported = _mlx_quantization_gap(model)
+    if unsupported and any(spec.kind == "mlx" for spec in specs):
+        log_progress(progress, f"bench: skipping mlx-lm's quantized caches: {unsupported}")
+        specs = [spec for spec in specs if spec.kind != "mlx"]
     stages = []
     for n in sorted(set(contexts)):
         n_prompt = n if max_ctx is None else min(n, max_ctx - n_dec)

@@ -93,17 +93,19 @@ def resolve_model(name, *, install: bool = True) -> str:
 
 
 def load_model(name, *, dequantize: bool | None = None):
-    """``load(resolve_model(name))``: ``(model, tokenizer)`` for a user's model name."""
-    return load(resolve_model(name), dequantize=dequantize)
+    """The same as :func:`load` (kept for callers written against the older name)."""
+    return load(name, dequantize=dequantize)
 
 
 def load(path_or_repo, *, dequantize: bool | None = None):
     """Load a model and tokenizer usable by ``mlx_lm.generate`` / ``stream_generate``.
 
     Args:
-        path_or_repo: a ``.gguf`` file (loaded offline into mlx-lm's own model
-            classes; architectures in ``oiq_mlx.mlx_lm.gguf.SUPPORTED_ARCHITECTURES``) or anything
-            ``mlx_lm.load`` accepts (a Hugging Face repo id, a local mlx dir).
+        path_or_repo: ``"demo"`` or ``"gemma3"`` (the bundled GGUF models), a
+            ``.gguf`` file (loaded offline into mlx-lm's own model classes;
+            architectures in ``oiq_mlx.mlx_lm.gguf.SUPPORTED_ARCHITECTURES``) or
+            anything ``mlx_lm.load`` accepts (a Hugging Face repo id, a local mlx
+            dir); :func:`resolve_model` says what each name becomes.
         dequantize: GGUF only. ``True``: dense fp32 weights; ``False``: keep
             quantized (mlx ``QuantizedLinear``); ``None``: quantized when Metal
             is available, dense fp32 on the CPU backend, where quantized
@@ -112,8 +114,13 @@ def load(path_or_repo, *, dequantize: bool | None = None):
     Returns:
         ``(model, tokenizer)``; the tokenizer is an
         ``mlx_lm.tokenizer_utils.TokenizerWrapper``.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`resolve_model`, for a name that
+            is neither a bundled model, an existing path nor a Hub id.
     """
-    path = Path(os.fspath(path_or_repo)).expanduser()
+    path_or_repo = resolve_model(path_or_repo)
+    path = Path(path_or_repo).expanduser()
     if path.suffix.lower() == ".gguf":
         # imported here: gguf/tokenizer.py imports transformers (seconds), which only GGUF loading needs
         from .gguf import load_gguf

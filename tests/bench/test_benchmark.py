@@ -4,6 +4,7 @@ byte counts that match each cache's storage formula.
 Timings are recorded, never asserted: this is not a timed test.
 """
 
+import io
 import itertools
 import json
 import math
@@ -16,7 +17,7 @@ import oiq_mlx  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 import mlx.core as mx
 import pytest
 
-from helpers import tiny_llama
+from helpers import tiny_gemma3, tiny_llama
 from oiq_mlx.bench import attention, latency as bench
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.config import OIQConfig
@@ -131,6 +132,17 @@ def test_kv_bytes_match_cache_formulas(model_result):
             assert cap_r % step == 0 and min(cfg.window, T) <= cap_r <= cfg.window + cfg.trim_reserve + step
             per_layer = quant + sink + mean + lam + signs + stacked + 2 * N_KV * cap_r * HEAD_DIM * 4
         assert r["kv_bytes"] == N_LAYERS * per_layer, (r["context"], r["cache"])
+
+
+def test_sliding_window_model_skips_mlx_quantized_caches():
+    """mlx-lm cannot quantize a RotatingKVCache (Gemma 3's local layers): the bench
+    says so and runs the other caches rather than crashing on its first prefill."""
+    log = io.StringIO()
+    specs = bench.default_specs(oiq_bits=(4,), mlx_bits=(4,))
+    records = bench.run_model(tiny_gemma3(layers=3, sliding_window=16), ByteTokenizer(), contexts=(40,), specs=specs,
+                              decode_steps=1, warmup=1, prefill_chunk=32, text="abc " * 30, progress=log)
+    assert sorted(r["cache"] for r in records) == sorted(s.name for s in specs if s.kind != "mlx")
+    assert "skipping mlx-lm's quantized caches: RotatingKVCache" in log.getvalue(), log.getvalue()
 
 
 def test_attention_mode():

@@ -130,6 +130,19 @@ def test_resolve_model_names(tmp_path):
         models.resolve_model("./not/here")
 
 
+def test_load_takes_the_same_names(monkeypatch, tmp_path):
+    """``oiq_mlx.load`` (the top-level API) resolves names as the CLIs do: the
+    bundled names load offline, a typo is refused before any download."""
+    with pytest.raises(ValueError, match="unknown model 'dmeo' \\(did you mean 'demo'\\?\\)"):
+        oiq_mlx.load("dmeo")
+    import oiq_mlx.mlx_lm.gguf as gguf
+
+    gguf_path = write_tiny_gguf(tmp_path / "m.gguf")
+    monkeypatch.setattr(models, "demo_model_path", lambda install=True: gguf_path)
+    monkeypatch.setattr(gguf, "load_gguf", lambda path, dequantize=None: ("loaded", Path(path)))
+    assert oiq_mlx.load("demo") == ("loaded", gguf_path)
+
+
 def test_dequantize_only_for_gguf():
     with pytest.raises(ValueError, match="gguf"):
         models.load("some/repo", dequantize=True)
