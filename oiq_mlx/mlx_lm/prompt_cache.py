@@ -7,14 +7,20 @@ bytes (``--prompt-cache-bytes``, counted with ``nbytes``).  For caches it can tr
 drops the checkpoints inside a finished sequence and serves them by trimming it back.  Here,
 for OIQ caches:
 
-* the checkpoints are kept: a trim deeper than the trim reserve is not what the cache was at
-  that length (rows packed since stay packed), so a longer entry is only trimmed when the trim
-  is exact (:func:`trim_is_exact`), else a checkpoint serves the request, or a fresh prefill;
+* by default the same: a chat keeps one entry, and a request that leaves it is served from it
+  trimmed back.  A trim deeper than the trim reserve is not what the cache was at that length
+  (:func:`trim_is_exact`): the rows packed since stay packed, so the request reads the last
+  ``window`` rows before the cut packed where a fresh prefill holds them in full precision.  A
+  shorter entry that the request extends is preferred to such a trim;
+* with ``keep_checkpoints`` (``oiq-server --keep-checkpoints``) the checkpoints are kept and a
+  longer entry is trimmed only exactly, else a checkpoint serves the request, or a fresh prefill;
 * every entry is a packed, compact copy (:func:`oiq_mlx.cache.entries.packed_entry`): the live
   sequence is not changed, and an entry holds its tokens at about what a finished sequence holds;
-* a checkpoint whose packed rows are bit-identical to the first rows of a longer entry (the
-  server's ``positional`` caches: always) holds them as views of that entry's, in either order
-  of insertion, and takes a copy of its own when that entry leaves the cache;
+* an entry whose packed rows are bit-identical to the first rows of a longer entry (the server's
+  ``positional`` caches: always) holds them as views of that entry's, in either order of
+  insertion, and takes a copy of its own when that entry leaves the cache: kept checkpoints, a
+  checkpoint inserted after a longer entry it prefixes, the entries of caches mlx-lm cannot
+  trim (a model with sliding-window layers);
 * bytes are counted as held: shared rows once, with the entry that holds their buffer.  The byte
   bound holds at every insertion (mlx-lm applies it only when a request joins the batch).
 
@@ -102,8 +108,9 @@ class OIQPromptCache(LRUPromptCache):
     the cache between the generation thread and :meth:`memory` (an HTTP thread).
     """
 
-    def __init__(self, max_size: int = 10, max_bytes: int | None = None):
+    def __init__(self, max_size: int = 10, max_bytes: int | None = None, *, keep_checkpoints: bool = False):
         super().__init__(max_size, NO_BOUND if max_bytes is None else int(max_bytes))
+        self.keep_checkpoints = keep_checkpoints
         self.lock = threading.RLock()
         self._entries: list[Entry] = []
 
@@ -217,13 +224,14 @@ class OIQPromptCache(LRUPromptCache):
                 self._forget(prev)
             self._lru.push(model, tokens, cache_type)
             self._count(entry, entry.nbytes)
-            if oiq:
-                self._share(entry)
-            elif can_trim_prompt_cache(caches):
+            if can_trim_prompt_cache(caches) and not (oiq and self.keep_checkpoints):
                 # as mlx-lm: a cache that can be trimmed back replaces the entries it extends
+                # (shortest first: an entry goes before the one whose rows it views, no copy made)
                 for n, e in self._trie.pop_prefixes(model, tokens):
                     self._lru.remove(model, tokens[:n])
                     self._forget(e)
+            if oiq:
+                self._share(entry)
             self._entries.append(entry)
             while len(self._lru) > self.max_size or (self._n_bytes > self.max_bytes and len(self._lru)):
                 self._evict()
@@ -244,8 +252,10 @@ class OIQPromptCache(LRUPromptCache):
                 longer = self._trie.get(found.model, found.longer).prompt_cache
                 prefix = min(len(tokens) - 1, found.common_prefix)
                 if oiq_caches(longer) and not trim_is_exact(longer, len(found.longer) - prefix):
+                    # an exact shorter entry before an inexact trim; with no shorter entry, the
+                    # trim (one entry per chat) or, keeping checkpoints, a fresh prefill
                     if not short:
-                        return None, tokens  # a fresh prefill, rather than an inexact trim
+                        return (None, tokens) if self.keep_checkpoints else super().fetch_nearest_cache(model, tokens)
                     shorter = self._trie.get(found.model, found.shorter)
                     return copy.deepcopy(shorter.prompt_cache), tokens[short:]
             return super().fetch_nearest_cache(model, tokens)
@@ -290,10 +300,11 @@ class OIQPromptCache(LRUPromptCache):
         total = self.memory()
         logging.info(
             "oiq_mlx: prompt cache: %s entry of %d tokens %s: holds %s, %.3fx fp16 (%.3fx as a float16 model)%s; "
-            "the sequence held %s (%.3fx fp16). Prompt cache: %d entries, %s, %.3fx fp16 (%.3fx as a float16 "
+            "the sequence held %s (%.3fx fp16). Prompt cache: %d %s, %s, %.3fx fp16 (%.3fx as a float16 "
             "model), bound %s", entry.cache_type, len(entry.tokens), where, _mb(entry.nbytes),
             entry.nbytes / entry.fp16, entry.float16_model / entry.fp16, shared, _mb(given["held"]),
-            given["held"] / max(1, given["fp16"]), total["entries"], _mb(total["bytes"]),
+            given["held"] / max(1, given["fp16"]), total["entries"],
+            "entry" if total["entries"] == 1 else "entries", _mb(total["bytes"]),
             total["bytes"] / max(1, total["fp16_bytes"]), total["float16_model_bytes"] / max(1, total["fp16_bytes"]),
             "none" if total["max_bytes"] is None else _mb(total["max_bytes"]))
 

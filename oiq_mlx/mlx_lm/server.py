@@ -418,8 +418,9 @@ class OIQHTTPServer(ThreadingHTTPServer):
     request_queue_size = 128
 
 
-def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
-    """``mlx_lm.server.run`` with the OIQ provider and response generator.
+def run(host: str, port: int, model_provider: _server.ModelProvider, *, keep_checkpoints: bool = False, **_):
+    """``mlx_lm.server.run`` with the OIQ provider and response generator (the prompt
+    cache an :class:`OIQPromptCache`, ``keep_checkpoints`` as it takes it).
 
     The default model is loaded here, so that a model or cache configuration
     that cannot work stops the server with its message before it listens.
@@ -441,7 +442,8 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
             logging.getLogger().setLevel(logging.WARNING)
         logging.info("oiq_mlx: %s, for one sequence of %d tokens",
                      distributed.format_kv_bytes(report, provider.model.oiq_layout), KV_PROBE_TOKENS)
-    prompt_cache = OIQPromptCache(provider.cli_args.prompt_cache_size, provider.cli_args.prompt_cache_bytes)
+    prompt_cache = OIQPromptCache(provider.cli_args.prompt_cache_size, provider.cli_args.prompt_cache_bytes,
+                                  keep_checkpoints=keep_checkpoints)
     generator = None
 
     def report(running):
@@ -469,13 +471,14 @@ def run(host: str, port: int, model_provider: _server.ModelProvider, **_):
     os._exit(0)
 
 
-def serve(argv: list, config: OIQConfig | None, dequantize: bool | None) -> None:
+def serve(argv: list, config: OIQConfig | None, dequantize: bool | None, *, keep_checkpoints: bool = False) -> None:
     """Run ``mlx_lm.server.main`` on ``argv`` (mlx-lm's own flags) with the hooks above:
     models load through :func:`load_model` (or :func:`sharded_load_model`) with OIQ
-    caches of ``config`` (None: mlx-lm's own caches), and :func:`run` serves them."""
+    caches of ``config`` (None: mlx-lm's own caches), and :func:`run` serves them
+    (``keep_checkpoints``: :class:`OIQPromptCache`'s)."""
     _server.load = functools.partial(load_model, config=config, dequantize=dequantize)
     _server.sharded_load = functools.partial(sharded_load_model, config=config, dequantize=dequantize)
-    _server.run = run
+    _server.run = functools.partial(run, keep_checkpoints=keep_checkpoints)
     saved = sys.argv
     sys.argv = ["oiq-server", *argv]
     try:

@@ -28,12 +28,31 @@ def tokenizer():
 
 @pytest.mark.parametrize("mode", [[], ["--no-positional"]], ids=["positional", "no-positional"])
 def test_a_chat_leaves_the_prompt_cache_at_a_third_of_fp16(tokenizer, tmp_path, mode):
-    """A chat of about 1000 tokens leaves two entries: the checkpoint mlx-lm saves at the end of
-    the user turn and the finished chat.  Both are packed (without positional, a copy of the
-    live cache would hold the prompt in full precision: 1.00x), and the checkpoint holds the finished
+    """A chat of about 1000 tokens leaves one entry, the finished chat (mlx-lm's checkpoint at the
+    end of the user turn dropped, as mlx-lm drops it for caches it can trim), packed: 0.33x fp16
+    or less (without positional, a copy of the live cache would hold the prompt in full precision:
+    1.00x)."""
+    with ServerProcess([*OIQ, *mode], log_path=tmp_path / "server.log") as srv:
+        answer = chat(srv.port, chat_texts(tokenizer, 1000)[0])
+        mem = settled_memory(srv.port, tokens=answer["usage"]["prompt_tokens"])
+        log = srv.log()
+    pc, s = mem["prompt_cache"], summary(mem)
+    (finished,) = pc["items"]
+    assert finished["type"] == "assistant" and finished["tokens"] > 1000
+    assert s["float16_model_ratio"] == s["assistant_float16_model_ratio"] < 0.33
+    assert pc["bytes"] == finished["bytes"] and pc["shared_bytes"] == 0 and pc["max_bytes"] is None
+    assert mem["running"]["sequences"] == 0
+    # one log line per entry: what it holds, what the sequence held, the prompt cache's total
+    assert "prompt cache: user entry of" in log  # the checkpoint, inserted, then dropped by the chat
+    assert f"prompt cache: assistant entry of {finished['tokens']} tokens kept" in log
+    assert f"Prompt cache: 1 entry, {pc['bytes'] / 1e6:.2f} MB" in log
+
+
+def test_kept_checkpoints_share_the_rows_of_the_chat(tokenizer, tmp_path):
+    """With --keep-checkpoints the chat leaves two entries, the checkpoint holding the finished
     chat's packed rows as views: the two together hold 0.37x fp16 or less, where two entries of
     their own would hold about 0.63x."""
-    with ServerProcess([*OIQ, *mode], log_path=tmp_path / "server.log") as srv:
+    with ServerProcess([*OIQ, "--keep-checkpoints"], log_path=tmp_path / "server.log") as srv:
         answer = chat(srv.port, chat_texts(tokenizer, 1000)[0])
         mem = settled_memory(srv.port, tokens=answer["usage"]["prompt_tokens"])
         log = srv.log()
@@ -45,11 +64,8 @@ def test_a_chat_leaves_the_prompt_cache_at_a_third_of_fp16(tokenizer, tmp_path, 
     assert user["shared_bytes"] > 0 and pc["shared_bytes"] == user["shared_bytes"]
     assert pc["fp16_bytes"] == finished["fp16_bytes"]  # the checkpoint's tokens are inside the chat
     assert s["float16_model_ratio"] <= 0.37 < 0.55 < s["unshared_float16_model_ratio"]
-    assert pc["bytes"] == user["bytes"] + finished["bytes"] and pc["max_bytes"] is None
-    assert mem["running"]["sequences"] == 0
-    # one log line per entry: what it holds, what the sequence held, the prompt cache's total
+    assert pc["bytes"] == user["bytes"] + finished["bytes"]
     assert f"prompt cache: user entry of {user['tokens']} tokens kept" in log
-    assert f"prompt cache: assistant entry of {finished['tokens']} tokens kept" in log
     assert f"Prompt cache: 2 entries, {pc['bytes'] / 1e6:.2f} MB" in log
 
 
@@ -93,18 +109,19 @@ def _fill(args, texts, tmp_path, name) -> list:
 def test_the_prompt_cache_byte_bound_keeps_three_times_the_chats_of_full_precision(tokenizer, tmp_path):
     """``--prompt-cache-bytes 45MB``, chats of 482 tokens one after the other: the bound holds
     after every chat, counted at the bytes the entries hold; full precision (``--no-oiq``, float32
-    on this machine: one entry of 22.2 MB a chat) keeps 2 chats, OIQ (a checkpoint of 2.2 MB and
-    a finished chat of 5.3 MB) keeps 6."""
-    texts = chat_texts(tokenizer, 450, n=7)
+    on this machine: one entry of 22.2 MB a chat) keeps 2 chats, OIQ (one entry of 5.3 MB a chat)
+    keeps 8, the latest (the bound with kept checkpoints: tests/mlx_lm/test_prompt_cache.py)."""
+    texts = chat_texts(tokenizer, 450, n=9)
     fp = _fill(["--no-oiq"], texts[:3], tmp_path, "fp")
     oiq = _fill(OIQ, texts, tmp_path, "oiq")
     for pc in fp + oiq:
         assert pc["max_bytes"] == 45_000_000 and pc["bytes"] <= pc["max_bytes"]
         assert pc["bytes"] == sum(i["bytes"] for i in pc["items"])
     kept_fp = fp[-1]["by_type"]["assistant"]["n_sequences"]
-    kept_oiq = oiq[-1]["by_type"]["assistant"]["n_sequences"]
     assert kept_fp == 2 and [pc["by_type"]["assistant"]["n_sequences"] for pc in fp] == [1, 2, 2]
-    assert kept_oiq >= 3 * kept_fp, [pc["by_type"] for pc in oiq]
-    # the chats kept are the latest, each with its checkpoint sharing its rows
-    newest = [i for i in oiq[-1]["items"] if i["type"] == "user"][-kept_oiq:]
-    assert all(i["shared_bytes"] > 0 for i in newest)
+    kept = [pc["by_type"]["assistant"]["n_sequences"] for pc in oiq]
+    assert kept[-1] >= 3 * kept_fp and kept == list(range(1, kept[-1] + 1)) + [kept[-1]] * (9 - kept[-1]), kept
+    assert kept[-1] < 9  # the bound evicted
+    # one entry a chat: the newest chats, each the whole chat
+    assert [i["type"] for i in oiq[-1]["items"]] == ["assistant"] * kept[-1]
+    assert all(i["tokens"] > 450 for i in oiq[-1]["items"])

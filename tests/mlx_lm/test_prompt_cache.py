@@ -1,8 +1,9 @@
 """The server's prompt cache (oiq_mlx/mlx_lm/prompt_cache.py) and its packed entries
 (oiq_mlx/cache/entries.py), on a small random Llama: an entry is what the cache becomes once its
-prefill ends, in compact buffers; a checkpoint holds views of the packed rows of the sequence it
-prefixes only when they are bit-identical, and takes them back when that sequence leaves; the
-bytes counted are the bytes held (measured with MLX's allocator); the byte bound holds."""
+prefill ends, in compact buffers; by default a chat keeps one entry, its checkpoints dropped and
+served by trimming it back; kept checkpoints (``keep_checkpoints``) hold views of the packed rows of
+the sequence they prefix only when they are bit-identical, and take them back when that sequence
+leaves; the bytes counted are the bytes held (measured with MLX's allocator); the byte bound holds."""
 
 import copy
 import gc
@@ -115,7 +116,7 @@ def test_a_checkpoint_shares_the_rows_of_the_sequence_it_prefixes_and_bytes_are_
     MLX's allocator agrees with the count at each step."""
     _conversation(model, POSITIONAL, TOKENS[:1200], 900, OIQPromptCache())  # compiles and caches what MLX keeps
     m0 = _active_memory()
-    pc = OIQPromptCache()
+    pc = OIQPromptCache(keep_checkpoints=True)
     live = _conversation(model, POSITIONAL, TOKENS[:1200], 900, pc)
     del live
     mem = pc.memory()
@@ -180,7 +181,7 @@ def test_rows_are_shared_only_when_bit_identical(model):
     token short of the prompt (where the server takes it) packs the rows the finished sequence
     packs, and shares them; one taken mid-prompt packs other codes, and keeps its own."""
     cfg = OIQConfig.preset("4bit", window=16)
-    pc = OIQPromptCache()
+    pc = OIQPromptCache(keep_checkpoints=True)
     _conversation(model, cfg, TOKENS[:500], 499, pc, model_key="a")
     _conversation(model, cfg, TOKENS[:500], 300, pc, model_key="b")
     items = pc.memory()["items"]
@@ -189,16 +190,18 @@ def test_rows_are_shared_only_when_bit_identical(model):
     assert pc.nbytes == sum(i["bytes"] for i in items)
 
 
-def test_the_byte_bound_holds_at_every_insertion(model):
-    """Conversations of 600 tokens under a bound of two and a half conversations (checkpoint and
-    finished sequence):
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_byte_bound_holds_at_every_insertion(model, keep):
+    """Conversations of 600 tokens under a bound of two and a half conversations (one entry, or the
+    checkpoint and the finished sequence with ``keep_checkpoints``):
     the bound holds after every insertion (mlx-lm applies it only when a request joins the batch),
     the newest conversations are kept, the count is what the entries hold; full-precision caches
     of the same conversations, under the same bound, keep fewer."""
-    one = OIQPromptCache()
+    one = OIQPromptCache(keep_checkpoints=keep)
     _conversation(model, POSITIONAL, TOKENS[:600], 599, one)
+    assert len(one.held_entries()) == (2 if keep else 1)
     bound = int(2.5 * one.nbytes)
-    pc = OIQPromptCache(max_size=100, max_bytes=bound)
+    pc = OIQPromptCache(max_size=100, max_bytes=bound, keep_checkpoints=keep)
     for i in range(5):
         tokens = [i] + TOKENS[i * 100 : i * 100 + 599]
         _conversation(model, POSITIONAL, tokens, 599, pc)
@@ -221,12 +224,40 @@ def test_the_byte_bound_holds_at_every_insertion(model):
     assert {e.cache_type for e in fp.held_entries()} <= {"assistant"}
 
 
-def test_a_longer_entry_is_trimmed_only_exactly(model):
-    """A prompt that leaves a cached sequence deeper than the trim reserve is served from the
-    checkpoint, not from an inexact trim of the longer entry."""
-    pc = OIQPromptCache()
+def test_kept_checkpoints_and_a_longer_entry_trimmed_only_exactly(model):
+    """With ``keep_checkpoints``, a prompt that leaves a cached sequence deeper than the trim
+    reserve is served from the checkpoint, not from an inexact trim of the longer entry."""
+    pc = OIQPromptCache(keep_checkpoints=True)
     _conversation(model, POSITIONAL, TOKENS[:500], 400, pc)
     cache, rest = pc.fetch_nearest_cache("m", TOKENS[:450] + [1000, 1001, 1002])
     assert cache[0].offset == 400 and len(rest) == 53
     cache, rest = pc.fetch_nearest_cache("m", TOKENS[:495] + [1000, 1001])
     assert cache[0].offset == 495 and len(rest) == 2  # within the reserve: the trim is exact
+
+
+def test_a_chat_keeps_one_entry_and_is_trimmed_back(model):
+    """By default the finished chat replaces its checkpoint (as mlx-lm keeps trimmable caches):
+    the prompt cache holds what the finished sequence holds.  A prompt that leaves the chat is
+    served from the chat trimmed back, deeper than the reserve too: the rows packed since the cut
+    stay packed, and the next tokens read what that trimmed copy holds."""
+    pc = OIQPromptCache()
+    _conversation(model, POSITIONAL, TOKENS[:500], 400, pc)
+    (finished,) = pc.held_entries()
+    assert (finished.cache_type, len(finished.tokens), finished.owner, finished.sharers) == ("assistant", 500, None, [])
+    assert pc.nbytes == finished.nbytes == kv_memory(finished.prompt_cache)["held"]
+    rows = _arrays(finished.prompt_cache)
+    fresh = make_oiq_cache(model, POSITIONAL)  # what a cache holds at 450 tokens
+    _feed(model, fresh, TOKENS[:449])
+    _feed(model, fresh, TOKENS[449:450], chunk=1)
+    for cut in (450, 495):
+        cache, rest = pc.fetch_nearest_cache("m", TOKENS[:cut] + [1000, 1001, 1002])
+        assert cache[0].offset == cut and len(rest) == 3
+        trimmed = copy.deepcopy(finished.prompt_cache)
+        for c in trimmed:
+            c.trim(500 - cut)
+        for t in rest:
+            a, b = (model(mx.array([[t]]), cache=c) for c in (cache, trimmed))
+            assert np.array_equal(np.array(a), np.array(b))
+        assert _same(_arrays(finished.prompt_cache), rows)  # served from a copy
+        if cut == 450:  # past the reserve: rows the cache held in full precision at 450 are packed
+            assert packed_rows(cache[0]) > packed_rows(fresh[0])
