@@ -2,14 +2,14 @@
 """What oiq-server's prompt cache holds after one chat, against float16, from GET /v1/oiq/memory.
 
 For each server configuration and chat length: a fresh server, one chat of one user message of
-about that many tokens (2 generated), then the prompt cache's bytes: the checkpoint mlx-lm saves
-at the end of the user turn, the finished chat, both together, and both together had the
-checkpoint kept its packed rows itself.  Full-precision rows count 2 bytes a value (a float16
+about that many tokens (2 generated), then the prompt cache's bytes: the finished chat, the
+checkpoint mlx-lm saves at the end of the user turn where the server keeps it (--keep-checkpoints),
+both together, and both together had the checkpoint kept its packed rows itself.  Full-precision rows count 2 bytes a value (a float16
 model's cache; this machine runs the model in float32).  Writes JSON and a markdown table (also
 on stdout); a progress line per chat on stderr.
 
 Examples:
-  python scripts/bench_prompt_cache.py                     # 4bit, --no-positional, --no-oiq at 2k and 4k
+  python scripts/bench_prompt_cache.py    # 4bit, --keep-checkpoints, --no-positional, --no-oiq at 2k and 4k
   python scripts/bench_prompt_cache.py --lengths 1k --window 16
 """
 
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
         print(f"bench_prompt_cache: error: {e}", file=sys.stderr)
         return 2
     oiq = ["--preset", args.preset] + ([] if args.window is None else ["--window", str(args.window)])
-    configs = {"positional": oiq, "no-positional": [*oiq, "--no-positional"]}
+    configs = {"positional": oiq, "keep-checkpoints": [*oiq, "--keep-checkpoints"],
+               "no-positional": [*oiq, "--no-positional"]}
     if not args.no_fp:
         configs["fp"] = ["--no-oiq"]
     os.makedirs(args.out, exist_ok=True)

@@ -3,8 +3,8 @@
 ``scripts/bench_prompt_cache.py`` is the front end; ``tests/cli/test_server_memory.py`` uses
 :func:`chat_texts`, :func:`chat`, :func:`settled_memory` and :func:`summary`.  Each configuration runs in a
 server of its own (:class:`~oiq_mlx.bench.server.ServerProcess`), one chat per length, each
-a single user message of about that many tokens, each chat's checkpoint and finished sequence
-staying in the prompt cache.  Ratios are against float16 keys and values of the tokens held
+a single user message of about that many tokens, each finished chat (and its checkpoint, with
+``--keep-checkpoints``) staying in the prompt cache.  Ratios are against float16 keys and values of the tokens held
 (``fp16_bytes``: a checkpoint inside a finished chat counted once, as mlx-lm keeps a float16
 cache), with full-precision rows at 2 bytes a value (``float16_model_bytes``: what a float16
 model, a Mac's usual, holds; this machine runs the model in float32).
@@ -103,6 +103,6 @@ def markdown(rows: list[dict]) -> str:
         checkpoint = r.get("user_float16_model_ratio")
         lines.append(f"| `oiq-server {r['args']}` | {r.get('assistant_tokens', r['length'])} | "
                      f"{r['assistant_float16_model_ratio']:.3f}x | "
-                     + ("dropped (mlx-lm trims the chat back)" if checkpoint is None else f"{checkpoint:.3f}x")
+                     + ("dropped (the chat is trimmed back)" if checkpoint is None else f"{checkpoint:.3f}x")
                      + f" | {r['float16_model_ratio']:.3f}x | {r['unshared_float16_model_ratio']:.3f}x |")
     return "\n".join(lines)
