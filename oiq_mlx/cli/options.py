@@ -14,11 +14,12 @@ import warnings
 
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..cache.entries import packed_rows
 from ..cache.sequence import OIQKVCache
 from ..core import platform as core_platform
 from ..core.config import OIQConfig, layer_bits_text
 from ..mlx_lm.calibrate import parse_auto
-from ..mlx_lm.caches import cache_tokens, kv_memory, make_oiq_cache
+from ..mlx_lm.caches import cache_tokens, kv_memory, leaves, make_oiq_cache
 from ..mlx_lm.models import load, resolve_model
 
 DEFAULT_MODEL = "demo"
@@ -268,12 +269,26 @@ def memory_line(cache, label: str) -> str:
     if held and fp16:
         ratio = fp16 / held if held <= fp16 else held / fp16
         compare = f", {ratio:.2f} times {'smaller' if held <= fp16 else 'larger'}"
+        if held > fp16:
+            compare += _why_larger(cache)
     else:
         compare = ""
     return (
         f"KV cache ({label}): {held / 2**20:.2f} MiB held, {fp16 / 2**20:.2f} MiB for fp16 "
         f"at these {cache_tokens(cache)} tokens{compare}"
     )
+
+
+def _why_larger(cache) -> str:
+    """Why an OIQ cache holds more than fp16 would (a short prompt): how many of its tokens
+    are packed, and what it keeps in full precision, in which dtype."""
+    oiq = next((c for c in leaves(cache) if isinstance(c, OIQKVCache) and c.dtype is not None), None)
+    if oiq is None:
+        return ""
+    cfg = oiq.config
+    dtype = str(oiq.dtype).rsplit(".", 1)[-1]
+    return (f" ({packed_rows(oiq)} of {oiq.offset} tokens packed: OIQ keeps the first {cfg.sink_tokens} tokens "
+            f"and the last {cfg.window} in full precision, {dtype} here, and packs the tokens between)")
 
 
 def print_warning(message, category, filename, lineno, file=None, line=None):

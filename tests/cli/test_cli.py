@@ -124,6 +124,18 @@ def test_memory_line_counts_fp16_by_tokens_held():
     assert f"{(fp16_45 + 16 * 2 * 128 * 2) / 2**20:.2f} MiB for fp16" in memory_line([kv, rot], "x")
 
 
+def test_memory_line_says_why_a_short_prompt_is_larger():
+    cache = _filled(OIQKVCache(OIQConfig.preset("4bit")), 45)
+    cache.end_prefill()
+    line = memory_line([cache], "OIQ")
+    assert line.endswith(f"{cache.nbytes / (45 * 2 * 128 * 2):.2f} times larger (0 of 45 tokens packed: OIQ keeps "
+                         "the first 4 tokens and the last 64 in full precision, float32 here, and packs the tokens "
+                         "between)"), line
+    longer = _filled(OIQKVCache(OIQConfig.preset("4bit", window=16)), 200)
+    longer.end_prefill()
+    assert memory_line([longer], "OIQ").endswith("times smaller")  # no explanation needed
+
+
 def test_memory_line_says_smaller_for_a_compressed_cache():
     cache = _filled(OIQKVCache(OIQConfig(k_bits=2, v_bits=2, window=0, sink_tokens=0)), 2048)
     cache.end_prefill()  # generation has started: the prompt is packed
