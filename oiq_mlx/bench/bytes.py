@@ -29,7 +29,9 @@ primitive moves is the bytes it reads plus the bytes it writes:
   and writes its product, what the graph would count for it;
 * everything else reads its inputs and writes its outputs once.
 
-``mx.compile``'s fused elementwise kernels cannot be exported, so the step is traced with
+``mx.export_function`` merges identical operations on identical inputs, so two zero fills of
+one shape (mlx-lm's ``KVCache`` growing its keys and values) count once: an undercount of a
+fill's bytes once per 256 steps.  ``mx.compile``'s fused elementwise kernels cannot be exported, so the step is traced with
 compilation disabled: an ``mx.compile``'d chain counts as its separate operations, an
 overcount of its intermediates; on the Metal path the only such chain of a decode step is
 the centering of the new token (a few KiB).
@@ -211,7 +213,7 @@ def _filled(spec, context: int, *, n_kv_heads: int, head_dim: int, dtype, seed: 
     return cache
 
 
-def _step(spec, scale: float):
+def decode_step(spec, scale: float):
     """One decode step over a cache of ``spec``, one sequence or a batch of them (mlx-lm's
     ``BatchKVCache`` attends with the mask of its left padding, built before the write as a
     model builds it)."""
@@ -252,7 +254,7 @@ def bytes_per_step(specs, *, contexts=DEFAULT_CONTEXTS, ragged=RAGGED, n_q_heads
 
     def single(spec, n):
         cache = _filled(spec, n, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, seed=seed)
-        return decode_bytes(cache, _step(spec, scale), batch=1, ideal=lambda c: attention_bytes_read(spec, c), **shape)
+        return decode_bytes(cache, decode_step(spec, scale), batch=1, ideal=lambda c: attention_bytes_read(spec, c), **shape)
 
     def record(spec, context, layout, r):
         return {"cache": spec.name, "kind": spec.kind, "bits": None if spec.kind == "fp" else spec.bits,
@@ -275,7 +277,7 @@ def bytes_per_step(specs, *, contexts=DEFAULT_CONTEXTS, ragged=RAGGED, n_q_heads
             caches = [_filled(spec, n, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, seed=seed + i)
                       for i, n in enumerate(ragged)]
             joined = (OIQKVCache if spec.kind == "oiq" else BatchKVCache).merge(caches)
-            r = decode_bytes(joined, _step(spec, scale), batch=len(ragged), **shape)
+            r = decode_bytes(joined, decode_step(spec, scale), batch=len(ragged), **shape)
             r["ideal"] = separate["ideal"]
             rows.append(record(spec, label, "separate caches", separate))
             rows.append({**record(spec, label, "batch", r), "vs_separate": r["mean"] / separate["mean"]})
