@@ -17,9 +17,9 @@ primitive moves is the bytes it reads plus the bytes it writes:
 * a gather or dynamic slice (``READS_WHAT_IT_RETURNS``) reads the rows it returns (and its
   indices), not the whole source;
 * a recorded kernel call reads every input array it is passed and writes its outputs.  A
-  kernel given a whole buffer but reading only its first ``length`` rows counts the buffer it is
-  passed: an upper bound, exact where the buffer holds no spare rows (the OIQ packed buffers
-  grow one block at a time, so they hold at most one block of spare rows);
+  kernel given a whole buffer but reading only its first ``length`` rows would count the buffer
+  it is passed (an upper bound); the OIQ decode kernels are passed views of the rows in use
+  (the packed codes and scales, the sinks, the window), so what they read is counted exactly;
 * mlx's fused attention ``mx.fast.scaled_dot_product_attention`` (mlx-lm's full-precision
   caches) is recorded as one kernel, as it runs on a Mac: it reads the queries, keys, values
   and mask once and writes the output (the fp32 partials of its two-pass variant on long
@@ -29,12 +29,14 @@ primitive moves is the bytes it reads plus the bytes it writes:
   and writes its product, what the graph would count for it;
 * everything else reads its inputs and writes its outputs once.
 
-``mx.export_function`` merges identical operations on identical inputs, so two zero fills of
-one shape (mlx-lm's ``KVCache`` growing its keys and values) count once: an undercount of a
-fill's bytes once per 256 steps.  ``mx.compile``'s fused elementwise kernels cannot be exported, so the step is traced with
-compilation disabled: an ``mx.compile``'d chain counts as its separate operations, an
-overcount of its intermediates; on the Metal path the only such chain of a decode step is
-the centering of the new token (a few KiB).
+``mx.compile``'s fused kernels cannot be exported, so the step is traced with compilation
+disabled and a chain of elementwise primitives is counted as ``mx.compile`` fuses it
+(``FUSED``): its inputs read once and what leaves it written, the intermediates that only the
+chain reads not at all (the OIQ cache's centering of the new key and value moves 16 KiB at
+8 KV heads of 128, not the 60 KiB of its five operations).  A chain that runs uncompiled counts
+as fused too, an undercount: mlx-lm's batch mask (a few KiB).  ``mx.export_function`` merges
+identical operations on identical inputs, so two zero fills of one shape (mlx-lm's ``KVCache``
+growing its keys and values) count once: an undercount of one fill once per 256 steps.
 
 A run of steps is measured and averaged (:func:`decode_bytes`), so that what happens once per
 block of steps (the OIQ cache packing 16 rows, growing its packed buffers and compacting its
@@ -58,12 +60,18 @@ from .latency import layer_cache
 from ..cache.attention import oiq_batch_attention
 from ..cache.sequence import OIQKVCache
 
+# what mx.compile fuses into one kernel (the elementwise primitives a decode step uses)
+ELEMENTWISE = frozenset({"Abs", "Add", "AsType", "BitwiseBinary", "Divide", "Equal", "Exp", "Greater",
+                         "GreaterEqual", "Less", "LessEqual", "Log", "LogicalAnd", "LogicalNot", "LogicalOr",
+                         "Maximum", "Minimum", "Multiply", "Negative", "NotEqual", "Power", "Round", "Rsqrt",
+                         "Select", "Sqrt", "Square", "Subtract"})
 IN_PLACE = frozenset({"SliceUpdate", "DynamicSliceUpdate", "Scatter", "ScatterAxis"})
 READS_WHAT_IT_RETURNS = frozenset({"Gather", "GatherAxis", "DynamicSlice"})
 # the names kernel calls, the fused attention and quantized products are counted under
 KERNEL = "kernel"
 FUSED_SDPA = "ScaledDotProductAttention"
 QMM = "QuantizedMatmul"
+FUSED = "fused elementwise"
 
 
 def _nbytes(entry) -> int:
@@ -74,21 +82,38 @@ def _nbytes(entry) -> int:
 
 def graph_bytes(outputs) -> Counter:
     """Primitive name -> bytes read plus written over the (unevaluated) graph that computes
-    ``outputs``, by the rules of the module docstring."""
+    ``outputs``, by the rules of the module docstring (a fused elementwise chain under
+    ``FUSED``)."""
     seen: dict[str, int] = {}  # array name -> bytes a reader of it reads (views resolved)
-    moved: Counter = Counter()
+    under: dict[str, str] = {}  # a view's name -> the name of the array under it
+    nodes, escaping = [], set()
 
     def read(entry) -> int:
         return seen.get(entry[0], _nbytes(entry))
 
     def on_entry(d):
+        if d["type"] == "outputs":
+            escaping.update(o[0] for o in d["outputs"])
         if d["type"] != "primitive":
             return
         name, ins, outs = d["name"], d["inputs"], d["outputs"]
         if name in trace.VIEW_PRIMITIVES:
             for o in outs:
                 seen[o[0]] = min(_nbytes(o), read(ins[0]))
+                under[o[0]] = under.get(ins[0][0], ins[0][0])
             return
+        nodes.append((name, ins, outs))
+
+    mx.export_function(on_entry, lambda: list(outputs))
+    chains = _elementwise_chains(nodes, {under.get(n, n) for n in escaping}, under)
+    moved: Counter = Counter()
+    for chain in chains:
+        if len(chain) > 1:
+            inner = {o[0] for i in chain[:-1] for o in nodes[i][2]}
+            ins = {x[0]: x for i in chain for x in nodes[i][1] if under.get(x[0], x[0]) not in inner}
+            moved[FUSED] += sum(read(x) for x in ins.values()) + sum(_nbytes(o) for o in nodes[chain[-1]][2])
+            continue
+        name, ins, outs = nodes[chain[0]]
         if name in IN_PLACE:
             update = ins[1] if "Slice" in name else ins[-1]
             moved[name] += sum(read(x) for x in ins[1:]) + _nbytes(update)
@@ -96,9 +121,31 @@ def graph_bytes(outputs) -> Counter:
             moved[name] += sum(read(x) for x in ins[1:]) + 2 * sum(_nbytes(o) for o in outs)
         else:
             moved[name] += sum(read(x) for x in ins) + sum(_nbytes(o) for o in outs)
-
-    mx.export_function(on_entry, lambda: list(outputs))
     return moved
+
+
+def _elementwise_chains(nodes, escaping: set, under: dict) -> list[list[int]]:
+    """``nodes`` (in graph order) grouped as ``mx.compile`` fuses them: an elementwise node whose
+    one output is read by exactly one node, an elementwise one, and by nothing outside the graph
+    (``escaping``) joins that node's chain; each chain lists its nodes in order, its last node
+    the one whose output leaves it."""
+    readers: dict[str, list[int]] = {}
+    for j, (_, ins, _) in enumerate(nodes):
+        for x in ins:
+            readers.setdefault(under.get(x[0], x[0]), []).append(j)
+    into = {}
+    for i, (name, _, outs) in enumerate(nodes):
+        if name in ELEMENTWISE and len(outs) == 1 and outs[0][0] not in escaping:
+            r = readers.get(outs[0][0], [])
+            if len(r) == 1 and nodes[r[0]][0] in ELEMENTWISE:
+                into[i] = r[0]
+    chains: dict[int, list[int]] = {}
+    for i in range(len(nodes)):
+        end = i
+        while end in into:
+            end = into[end]
+        chains.setdefault(end, []).append(i)
+    return list(chains.values())
 
 
 def call_bytes(call: trace.KernelCall) -> int:

@@ -40,6 +40,16 @@ def test_views_are_free_updates_in_place_gathers_read_what_they_return():
     assert dict(moved.graph_bytes([mx.take(buf, idx, axis=0)])) == {"Gather": 8 + 2 * 64}
 
 
+def test_an_elementwise_chain_counts_as_mx_compile_fuses_it():
+    """Read once, written once: what leaves the chain; an intermediate read outside it is written."""
+    x, m = mx.ones((4, 8), mx.float16), mx.ones((1, 8))
+    mx.eval(x, m)
+    wide = x.astype(mx.float32) - m
+    assert dict(moved.graph_bytes([wide.astype(mx.float16)])) == {moved.FUSED: 64 + 32 + 64}
+    assert dict(moved.graph_bytes([wide.astype(mx.float16), wide])) == {
+        moved.FUSED: 64 + 32 + 128, "AsType": 128 + 64}
+
+
 def test_a_kernel_call_reads_its_inputs_and_writes_its_outputs():
     calls = []
     out = trace.recorded_call(calls, [mx.zeros((4, 8)), 3, mx.zeros((2,), mx.float16)], [(5,)], [mx.int32])
@@ -68,7 +78,7 @@ def test_fp16_kvcache_moves_what_it_reads_writes_and_copies():
 
 # what a step moves now over its ideal, per context (the largest over the presets, plus 0.02): a
 # regression bound; the goals below are lower
-NOW = {1024: 1.47, 2048: 1.43, 4096: 1.39, 16384: 1.35}
+NOW = {1024: 1.43, 2048: 1.40, 4096: 1.37, 16384: 1.345}
 
 
 def test_no_step_moves_less_than_its_ideal_and_none_moves_more_than_now(records):
@@ -87,7 +97,7 @@ def test_a_ragged_batch_moves_at_most_twice_what_separate_caches_move_now(record
     """Stacked, every sequence is padded to the longest (4096 of 512/1k/2k/4k): about twice
     the bytes of the four caches apart; mlx-lm's BatchKVCache (left-padded) likewise."""
     for preset in PRESETS:
-        assert _row(records, f"oiq-{preset}", RAGGED, "batch")["vs_separate"] <= 2.02
+        assert _row(records, f"oiq-{preset}", RAGGED, "batch")["vs_separate"] <= 2.03
     assert _row(records, "fp", RAGGED, "batch")["vs_separate"] <= 2.1
 
 
@@ -95,26 +105,26 @@ def _goal(reason):
     return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=reason)) for p in PRESETS]
 
 
-@pytest.mark.parametrize("preset", _goal("goal: within 1.15x of the ideal from 4k tokens (now 1.32-1.37: the "
+@pytest.mark.parametrize("preset", _goal("goal: within 1.15x of the ideal from 4k tokens (now 1.32-1.35: the "
                                          "packed buffers grow by a copy every 16 rows, fp32 attention partials)"))
 def test_goal_within_1_15x_of_the_ideal_from_4k(records, preset):
     for c in (4096, 16384):
         assert _row(records, f"oiq-{preset}", c)["vs_ideal"] <= 1.15
 
 
-@pytest.mark.parametrize("preset", _goal("goal: within 1.3x of the ideal at 1k tokens (now 1.42-1.45)"))
+@pytest.mark.parametrize("preset", _goal("goal: within 1.3x of the ideal at 1k tokens (now 1.38-1.41)"))
 def test_goal_within_1_3x_of_the_ideal_at_1k(records, preset):
     assert _row(records, f"oiq-{preset}", 1024)["vs_ideal"] <= 1.3
 
 
 @pytest.mark.xfail(strict=True, reason="goal: 4bit at or below mlx-lm's 4-bit cache from 2k tokens "
-                                       "(now 1.20x at 2k, 1.14x at 4k, 1.08x at 16k)")
+                                       "(now 1.18x at 2k, 1.13x at 4k, 1.08x at 16k)")
 def test_goal_4bit_at_or_below_mlx_4bit_from_2k(records):
     for c in (2048, 4096, 16384):
         assert _row(records, "oiq-4bit", c)["bytes"] <= _row(records, "mlx-q4", c)["bytes"]
 
 
 @pytest.mark.parametrize("preset", _goal("goal: a ragged batch within 1.15x of the same sequences held as "
-                                         "separate caches (now 1.84-1.98x: stacked storage pads to the longest)"))
+                                         "separate caches (now 1.86-2.00x: stacked storage pads to the longest)"))
 def test_goal_ragged_batch_within_1_15x_of_separate_caches(records, preset):
     assert _row(records, f"oiq-{preset}", RAGGED, "batch")["vs_separate"] <= 1.15
