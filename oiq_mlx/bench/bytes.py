@@ -22,8 +22,10 @@ primitive moves is the bytes it reads plus the bytes it writes:
   (the packed codes and scales, the sinks, the window), so what they read is counted exactly;
 * mlx's fused attention ``mx.fast.scaled_dot_product_attention`` (mlx-lm's full-precision
   caches) is recorded as one kernel, as it runs on a Mac: it reads the queries, keys, values
-  and mask once and writes the output (the fp32 partials of its two-pass variant on long
-  contexts are not counted; the OIQ kernels' partials are, as they are separate launches);
+  and mask once and writes the output.  The partials of its two-pass variant, which MLX picks
+  for long contexts (how long, and how many blocks, depend on the chip), are not counted: the
+  full-precision figures are a floor.  The OIQ kernels' partials are counted, being the
+  output of one recorded launch and the input of the next;
 * ``mx.quantized_matmul`` (mlx-lm's quantized attention) is recorded too, not run (it is slow
   in float16 on the CPU backend): it reads its operands, the codes, scales and biases once each,
   and writes its product, what the graph would count for it;
