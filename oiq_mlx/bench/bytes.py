@@ -31,6 +31,11 @@ primitive moves is the bytes it reads plus the bytes it writes:
   and writes its product, what the graph would count for it;
 * everything else reads its inputs and writes its outputs once.
 
+What a cache evaluates eagerly within a step (``mx.eval``) leaves the traced graph and is not
+counted: in the steps measured here, per-layer constants built once, and the copy that stacks a
+batch's storage when it starts decoding (``oiq_mlx.cache.stacked``; once per batch membership,
+about 0.4% of the ragged batch's 256-step mean if spread over it).
+
 ``mx.compile``'s fused kernels cannot be exported, so the step is traced with compilation
 disabled and a chain of elementwise primitives is counted as ``mx.compile`` fuses it
 (``FUSED``): its inputs read once and what leaves it written, the intermediates that only the
