@@ -3,7 +3,7 @@ rules, mlx-lm's fp16 KVCache against first principles, what each configuration m
 bounds that catch a regression) and the goals, as strict xfails that flip when a goal is met.
 
 The figures use 8 query heads and 2 KV heads of dimension 128 (bytes / 4 of the benchmark's 32 and
-8 heads, ratios equal to within 0.003) and 256 steps from each context: a multiple of mlx-lm's
+8 heads, ratios equal to within 0.01) and 256 steps from each context: a multiple of mlx-lm's
 growth step (256 rows) and of the OIQ block (16 rows), so every periodic copy counts at its rate.
 """
 
