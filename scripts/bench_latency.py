@@ -5,12 +5,16 @@ For each context length, the same model and prompt: prefill time, decode
 ms/token (median, p10/p90), decode ratio vs the full-precision cache, KV bytes
 held and peak memory of prefill and decode; plus an attention-only mode (one
 layer, synthetic q/K/V: append/quantize and decode attention timed alone,
-bytes read per step, GB/s). Writes JSON (every sample), a markdown table on
-stdout, PNG plots (with matplotlib); progress on stderr.
+bytes read per step, GB/s). Every mode ends with two counted (not timed) tables of
+one layer's decode step on the Metal path: the dispatches, and the bytes every
+primitive reads and writes against the ideal (oiq_mlx.bench.bytes; about a minute
+on 2 CPU cores). Writes JSON (every sample), markdown tables on stdout, PNG plots
+(with matplotlib); progress on stderr.
 
 Examples:
   python scripts/bench_latency.py --quick                  # ~10 min on 2 CPU cores
   python scripts/bench_latency.py --model mlx-community/Llama-3.2-1B-Instruct-4bit  # Mac, Metal
+  python scripts/bench_latency.py --mode counts            # dispatches and bytes per decode step only
 """
 
 import argparse
@@ -36,8 +40,9 @@ def main(argv=None) -> int:
                              "after a prefill counts as prefill, as mlx-lm counts the last prompt token's step)")
     parser.add_argument("--prefill-chunk", type=int, default=2048,
                         help="prefill step size in tokens, as mlx_lm.generate's prefill_step_size (default 2048)")
-    parser.add_argument("--mode", choices=("both", "model", "attention"), default="both",
-                        help="model: full-model prefill/decode; attention: one synthetic layer; both (default)")
+    parser.add_argument("--mode", choices=("both", "model", "attention", "counts"), default="both",
+                        help="model: full-model prefill/decode; attention: one synthetic layer; both (default); "
+                             "counts: only the dispatch and bytes tables")
     parser.add_argument("--attn-shape", default="32,8,128",
                         help="attention mode: query heads, KV heads, head dim (default 32,8,128; B = 1)")
     parser.add_argument("--attn-contexts", default=None,
@@ -57,7 +62,7 @@ def main(argv=None) -> int:
     import oiq_mlx  # noqa: F401  (first: preloads OpenBLAS before mlx.core is imported)
     import mlx.core as mx
 
-    from oiq_mlx.bench import attention, latency as bench
+    from oiq_mlx.bench import attention, bytes as moved, latency as bench
     from oiq_mlx.eval.specs import parse_ints
 
     if args.cpu:
@@ -100,6 +105,11 @@ def main(argv=None) -> int:
     print(f"## Dispatches per layer per decode step: one layer, B=1, {hq} query heads, {hkv} KV heads, d={d}, "
           "2048 tokens, 32 steps (oiq_mlx.bench.trace; views not counted; Metal kernels counted off a Mac)\n")
     print(attention.dispatch_table(result["dispatch_counts"]) + "\n", flush=True)
+    result["bytes_moved"] = moved.bytes_per_step(specs, n_q_heads=hq, n_kv_heads=hkv, head_dim=d)
+    print(f"## Bytes moved per layer per decode step: one layer, {hq} query heads, {hkv} KV heads, d={d}, float16, "
+          f"mean of {result['bytes_moved'][0]['steps']} steps from each context, B=1 and a ragged batch "
+          "(oiq_mlx.bench.bytes; Metal path traced off a Mac; ideal: what attention reads at least)\n")
+    print(moved.bytes_table(result["bytes_moved"]) + "\n", flush=True)
     bench.save_json(result, args.json)
     print(f"bench: wrote {args.json}", file=sys.stderr)
     if not args.no_plots:

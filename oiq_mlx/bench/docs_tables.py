@@ -12,7 +12,7 @@ kind of table follows from the JSON: a ``fidelity_sweep.py`` file (perplexity,
 KL, top-1 per cache), an ``eval_quality.py`` file (every baseline in one run),
 a ``needle_stats.py`` results file (its report, the summary computed again from
 its trials), a ``bench_latency.py`` record (the model table; the views
-``attention`` and ``dispatch`` give its other two tables), a ``bench_server.py``
+``attention``, ``dispatch`` and ``bytes`` give its other three tables), a ``bench_server.py``
 record or a ``bench_sharded.py`` record.  A needle file takes the view
 ``caches=fp,oiq-4,...``: the caches to report, where its trials hold more.  The
 view ``summary`` takes a fidelity sweep, a ``bench_latency.py`` record and a
@@ -33,6 +33,7 @@ from ..eval.needle_stats import resummarize_needle
 from ..eval.report import markdown_table, needle_stats_markdown
 from ..eval.sweep import frontier_table
 from . import attention, latency, server, sharded
+from . import bytes as moved
 
 MARKER = re.compile(r"<!-- table: (?P<args>[^>]*?) -->\n(?P<body>.*?)<!-- end table -->", re.S)
 
@@ -88,7 +89,9 @@ def latency_table(result: dict, view: str = "model") -> str:
         return attention.attention_table(result["attention_runs"])
     if view == "dispatch":
         return attention.dispatch_table(result["dispatch_counts"])
-    raise ValueError(f"bench_latency view must be model, attention or dispatch, got {view!r}")
+    if view == "bytes":
+        return moved.bytes_table(result["bytes_moved"])
+    raise ValueError(f"bench_latency view must be model, attention, dispatch or bytes, got {view!r}")
 
 
 def server_table(result: dict) -> str:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 import tempfile
-from collections import Counter
+from collections import Counter, namedtuple
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,17 +45,28 @@ def launching_primitives(outputs) -> Counter:
     return Counter(n for n in names if n not in VIEW_PRIMITIVES)
 
 
+# one recorded kernel call: its input arrays and the (zero) arrays it returned in place of its outputs
+KernelCall = namedtuple("KernelCall", ["inputs", "outputs"])
+
+
+def recorded_call(calls: list, inputs, output_shapes, output_dtypes) -> list:
+    """Append a :class:`KernelCall` to ``calls`` and return its outputs: evaluated zeros of
+    ``output_shapes`` / ``output_dtypes``, so that nothing downstream depends on the inputs'
+    graph through them."""
+    outs = [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes)]
+    mx.eval(outs)
+    calls.append(KernelCall([x for x in inputs if isinstance(x, mx.array)], outs))
+    return outs
+
+
 @contextmanager
 def metal_kernels_selected(calls: list):
-    """Within: dispatch picks the Metal kernels, and each kernel call appends its input
-    arrays to ``calls`` (what computes them is part of the step) and returns evaluated
-    zeros of its output shapes."""
+    """Within: dispatch picks the Metal kernels, and each kernel call appends a
+    :class:`KernelCall` to ``calls`` (what computes its inputs is part of the step) and
+    returns evaluated zeros of its output shapes."""
 
     def counting(kernel, **kwargs):
-        calls.append([x for x in kwargs["inputs"] if isinstance(x, mx.array)])
-        outs = [mx.zeros(s, t) for s, t in zip(kwargs["output_shapes"], kwargs["output_dtypes"])]
-        mx.eval(outs)
-        return outs
+        return recorded_call(calls, kwargs["inputs"], kwargs["output_shapes"], kwargs["output_dtypes"])
 
     real_launch, real_enabled = launcher.launch, dispatch.kernels_enabled
     launcher.launch, dispatch.kernels_enabled = counting, lambda: True
@@ -76,7 +87,7 @@ def step_dispatches(append, attend, *, kernels: bool = False) -> tuple[int, Coun
         with metal_kernels_selected(calls):
             fetched, arrays = append()
             out = attend(fetched)
-            graph = launching_primitives([out, *arrays, *(x for inputs in calls for x in inputs)])
+            graph = launching_primitives([out, *arrays, *(x for call in calls for x in call.inputs)])
     else:
         fetched, arrays = append()
         out = attend(fetched)
@@ -87,14 +98,35 @@ def step_dispatches(append, attend, *, kernels: bool = False) -> tuple[int, Coun
     return sum(graph.values()), graph
 
 
-def _arrays_of(cache) -> list:
-    """The arrays a cache holds (what a step writes), for mlx-lm's caches and OIQKVCache."""
+def arrays_of(cache) -> list:
+    """The arrays a cache holds (what a step writes), for mlx-lm's caches (batch ones too),
+    OIQKVCache and BatchOIQKVCache."""
+    if hasattr(cache, "caches") and hasattr(cache, "stacked"):
+        return [a for a in cache.state if isinstance(a, mx.array)]
     if hasattr(cache, "k") and hasattr(cache.k, "codes"):
         return [a for side in (cache.k, cache.v) for a in vars(side).values() if isinstance(a, mx.array)]
     out = []
     for x in (getattr(cache, "keys", None), getattr(cache, "values", None)):
         out += [a for a in (x if isinstance(x, (list, tuple)) else [x]) if isinstance(a, mx.array)]
     return out
+
+
+def fill(cache, context: int, *, n_kv_heads: int, head_dim: int, dtype, key) -> mx.array:
+    """Write a prompt of ``context`` synthetic Gaussian tokens into ``cache`` (B = 1) in chunks of
+    2048, as a prefill does, and end the prefill; returns the random key to go on with."""
+    for a in range(0, context, 2048):
+        k1, key = mx.random.split(key)
+        kv = mx.random.normal((2, 1, n_kv_heads, min(2048, context - a), head_dim), key=k1).astype(dtype)
+        cache.update_and_fetch(kv[0], kv[1])
+        if hasattr(cache, "release_fresh"):
+            cache.release_fresh()  # what attention over the prompt would do after reading it
+        mx.eval(arrays_of(cache))
+    if hasattr(cache, "end_prefill"):
+        # exact_prefill packs the prompt in the first decode step, once: the steps measured
+        # after it are the ones after that
+        cache.end_prefill()
+        mx.eval(arrays_of(cache))
+    return key
 
 
 def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_heads: int, head_dim: int,
@@ -110,18 +142,7 @@ def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_
     """
     key = mx.random.key(seed)
     cache = make_cache()
-    for a in range(0, context, 2048):
-        k1, key = mx.random.split(key)
-        kv = mx.random.normal((2, 1, n_kv_heads, min(2048, context - a), head_dim), key=k1).astype(dtype)
-        cache.update_and_fetch(kv[0], kv[1])
-        if hasattr(cache, "release_fresh"):
-            cache.release_fresh()  # what attention over the prompt would do after reading it
-        mx.eval(_arrays_of(cache))
-    if hasattr(cache, "end_prefill"):
-        # exact_prefill packs the prompt in the first decode step, once: the steps counted
-        # here are the ones after it
-        cache.end_prefill()
-        mx.eval(_arrays_of(cache))
+    key = fill(cache, context, n_kv_heads=n_kv_heads, head_dim=head_dim, dtype=dtype, key=key)
     per_step, breakdowns = [], []
     for _ in range(steps):
         k1, k2, key = mx.random.split(key, 3)
@@ -131,7 +152,7 @@ def decode_dispatches(make_cache, attend, *, context: int, n_q_heads: int, n_kv_
         mx.eval(k_new, v_new, q)
 
         def append():
-            return cache.update_and_fetch(k_new, v_new), _arrays_of(cache)
+            return cache.update_and_fetch(k_new, v_new), arrays_of(cache)
 
         total, graph = step_dispatches(append, lambda fetched: attend(cache, fetched, q), kernels=kernels)
         per_step.append(total)
