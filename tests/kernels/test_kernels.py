@@ -651,8 +651,10 @@ def test_decode_attention_nan_group_shows(metal_emulator):
 
 @pytest.fixture
 def kernels_on(metal_emulator, monkeypatch):
-    """Pretend Metal is here: dispatch picks kernels, which run on the emulator."""
+    """Pretend Metal is here: dispatch picks kernels, which run on the emulator (without the
+    first-use self-test, whose launches would count here: tests/kernels/test_selftest.py)."""
     monkeypatch.setattr(dispatch, "kernels_enabled", lambda: True)
+    monkeypatch.setenv("OIQ_MLX_KERNELS", "kernels")
     calls = []
     real = _launch.launch
 
