@@ -257,21 +257,23 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
 
 
 def _check_quantize(dtype, d: int) -> str | None:
-    """The packing pass (key scales, signs, Walsh-Hadamard, clip search, joined rows; 3 bits, whose
-    codes straddle words) and the plain quantize (abs-max, 4 bits) of six rows."""
+    """Six rows through the packing pass (key scales, signs, Walsh-Hadamard, clip search, joined
+    rows, 3 bits whose codes straddle words; then 2 bits, no key scales, one group a row where
+    d <= 128: an odd count of scales in the joined row) and the plain quantize (abs-max, 4 bits)."""
     x = _inputs((2, 3, d), dtype, seed=d, outliers=True)
     lam = 1.0 + mx.abs(_inputs((2, 1, d), mx.float32, seed=d + 1))
     signs = rotation.random_signs(seed=1, dim=d)
-    g = 32
-    rows = quantize_module.quantize_rows(x, bits=3, group_size=g, lam=lam, signs=signs, rotate=True, clip=True,
-                                         joined=True)
-    want_rows = codec.join_rows(*codec.quantize(rotation.hadamard(x.astype(mx.float32) / lam * signs), 3, g,
-                                                clip=True))
-    codes, scales = quantize_module.quantize(x, bits=4, group_size=g, signs=signs)
-    want_codes, want_scales = codec.quantize(rotation.rotate(x, signs), 4, g)
-    mx.eval(rows, want_rows, codes, scales, want_codes, want_scales)
-    if not _same_bits(rows, want_rows):
-        return "packed rows (3 bits, clip search) differ from the reference"
+    y = x.astype(mx.float32)
+    cases = [(3, 32, lam, True), (2, min(d, 128), None, False)]
+    for bits, g, lam_, clip in cases:
+        rows = quantize_module.quantize_rows(x, bits=bits, group_size=g, lam=lam_, signs=signs, rotate=True,
+                                             clip=clip, joined=True)
+        want = codec.join_rows(*codec.quantize(rotation.hadamard((y if lam_ is None else y / lam_) * signs), bits, g,
+                                               clip=clip))
+        if not _same_bits(rows, want):
+            return f"packed rows ({bits} bits, groups of {g}{', clip search' if clip else ''}) differ from the reference"
+    codes, scales = quantize_module.quantize(x, bits=4, group_size=32, signs=signs)
+    want_codes, want_scales = codec.quantize(rotation.rotate(x, signs), 4, 32)
     if not (_same_bits(codes, want_codes) and _same_bits(scales, want_scales)):
         return "codes or scales (4 bits) differ from the reference"
     return None
@@ -297,52 +299,73 @@ def _f64(x: mx.array) -> np.ndarray:
 
 
 def _check_attention(fp_dtype, d: int, qb: int, out_dtype) -> str | None:
-    """QB query rows per KV head (one position and a boolean mask dropping keys of every
-    segment at QB = 1; else two positions, causal) over two KV heads of 2 sink, 5 packed (4-bit
-    keys, 3-bit values, key scales, rotated) and 3 recent rows, with sink logits and a value
-    mean, in slices of two keys (the merge reads six partials); against a float64 softmax over
-    the stored values."""
+    """QB query rows per KV head (one position at QB = 1, else two) over two KV heads, twice:
+    2 sink, 5 packed (4-bit keys, 3-bit values, key scales, rotated) and 3 recent rows with a
+    mask (boolean, dropping keys of every segment, at one position; causal at two), sink
+    logits and a value mean, in slices of two keys (the merge reads six partials); then 2 bits
+    and 6 recent rows only, nothing else (the start of a generation: placeholders for every
+    absent input, which MLX binds ``constant`` where small, another generated kernel).
+    Against a float64 softmax over the stored values."""
+    for case in ("full", "window"):
+        why = _attention_case(fp_dtype, d, qb, out_dtype, case == "full")
+        if why is not None:
+            return f"{why} ({case})"
+    return None
+
+
+def _attention_case(fp_dtype, d: int, qb: int, out_dtype, full: bool) -> str | None:
     L = 2 if qb >= 2 else 1
-    n_kv, rep, n_sink, n_packed, n_recent = 2, qb // L, 2, 5, 3
+    n_kv, rep = 2, qb // L
+    n_sink, n_packed, n_recent = (2, 5, 3) if full else (0, 0, 6)
     n_q, T, g = n_kv * rep, n_sink + n_packed + n_recent, 32
+    k_bits, v_bits = (4, 3) if full else (2, 2)
     q = _inputs((1, n_q, L, d), fp_dtype, seed=d + 3)
     fp_k = _inputs((1, n_kv, n_sink + n_recent, d), fp_dtype, seed=d + 4)
     fp_v = _inputs((1, n_kv, n_sink + n_recent, d), fp_dtype, seed=d + 5)
-    k_lam = 1.0 + mx.abs(_inputs((1, n_kv, 1, d), mx.float32, seed=d + 6))
-    k_signs, v_signs = rotation.random_signs(seed=3, dim=d), rotation.random_signs(seed=4, dim=d)
-    kc, ks = codec.quantize(rotation.rotate(_inputs((1, n_kv, n_packed, d), mx.float32, seed=d + 7), k_signs), 4, g)
-    vc, vs = codec.quantize(rotation.rotate(_inputs((1, n_kv, n_packed, d), mx.float32, seed=d + 8), v_signs), 3, g)
-    v_mean = _inputs((1, n_kv, 1, d), mx.float32, seed=d + 9) * 0.1
-    sinks = mx.linspace(-1.0, 1.0, n_q)
     t, pos = np.arange(T)[None, :], np.arange(L)[:, None]
-    if L == 1:
-        keep = (t + pos) % 4 != 1  # a boolean mask dropping keys of every segment
+    if L > 1:
+        keep, mask = t <= T - L + pos, "causal"  # a step of L tokens, as mlx-lm asks for it
+    elif full:
+        keep = (t + pos) % 4 != 1
         mask = mx.array(keep[None, None])
     else:
-        keep = t <= T - L + pos  # a step of L tokens: causal, as mlx-lm asks for it
-        mask = "causal"
-    segments = (fp_k[:, :, :n_sink], fp_v[:, :, :n_sink], (kc, ks, vc, vs), fp_k[:, :, n_sink:],
-                fp_v[:, :, n_sink:])
+        keep, mask = t >= 0, None
     scale = d ** -0.5
-    out = attention_module.decode_attention(
-        q, scale=scale, segments=segments, k_bits=4, v_bits=3, group_size=g, k_lam=k_lam, k_signs=k_signs,
-        mask=mask, sinks=sinks, v_mean=v_mean, v_signs=v_signs, keys_per_part_=2,
-        out_dtype=out_dtype)
+    if full:
+        k_lam = 1.0 + mx.abs(_inputs((1, n_kv, 1, d), mx.float32, seed=d + 6))
+        k_signs, v_signs = rotation.random_signs(seed=3, dim=d), rotation.random_signs(seed=4, dim=d)
+        kc, ks = codec.quantize(rotation.rotate(_inputs((1, n_kv, n_packed, d), mx.float32, seed=d + 7), k_signs),
+                                k_bits, g)
+        vc, vs = codec.quantize(rotation.rotate(_inputs((1, n_kv, n_packed, d), mx.float32, seed=d + 8), v_signs),
+                                v_bits, g)
+        v_mean = _inputs((1, n_kv, 1, d), mx.float32, seed=d + 9) * 0.1
+        sinks = mx.linspace(-1.0, 1.0, n_q)
+        segments = (fp_k[:, :, :n_sink], fp_v[:, :, :n_sink], (kc, ks, vc, vs), fp_k[:, :, n_sink:],
+                    fp_v[:, :, n_sink:])
+        out = attention_module.decode_attention(
+            q, scale=scale, segments=segments, k_bits=k_bits, v_bits=v_bits, group_size=g, k_lam=k_lam,
+            k_signs=k_signs, mask=mask, sinks=sinks, v_mean=v_mean, v_signs=v_signs, keys_per_part_=2,
+            out_dtype=out_dtype)
+    else:
+        out = attention_module.decode_attention(
+            q, scale=scale, segments=(None, None, None, fp_k, fp_v), k_bits=k_bits, v_bits=v_bits, group_size=g,
+            mask=mask, out_dtype=out_dtype)
     mx.eval(out)
 
-    keys = np.concatenate([_f64(fp_k[:, :, :n_sink]),
-                           _f64(rotation.unrotate(codec.dequantize(kc, ks, 4, g), k_signs)) * _f64(k_lam),
-                           _f64(fp_k[:, :, n_sink:])], axis=2)[0]  # (n_kv, T, d)
-    values = np.concatenate([_f64(fp_v[:, :, :n_sink]),
-                             _f64(rotation.unrotate(codec.dequantize(vc, vs, 3, g), v_signs)),
-                             _f64(fp_v[:, :, n_sink:])], axis=2)[0]
+    keys = [_f64(fp_k[:, :, :n_sink]), _f64(fp_k[:, :, n_sink:])]
+    values = [_f64(fp_v[:, :, :n_sink]), _f64(fp_v[:, :, n_sink:])]
+    if full:
+        keys.insert(1, _f64(rotation.unrotate(codec.dequantize(kc, ks, k_bits, g), k_signs)) * _f64(k_lam))
+        values.insert(1, _f64(rotation.unrotate(codec.dequantize(vc, vs, v_bits, g), v_signs)))
+    keys, values = np.concatenate(keys, axis=2)[0], np.concatenate(values, axis=2)[0]  # (n_kv, T, d)
     qh = _f64(q)[0].reshape(n_kv, rep, L, d) * scale
     scores = np.where(keep, np.einsum("hrld,htd->hrlt", qh, keys), -np.inf)
-    sink_logits = np.broadcast_to(_f64(sinks).reshape(n_kv, rep, 1, 1), (n_kv, rep, L, 1))
+    sink_logits = np.broadcast_to(_f64(sinks).reshape(n_kv, rep, 1, 1) if full else -np.inf, (n_kv, rep, L, 1))
     top = np.maximum(scores.max(-1, keepdims=True), sink_logits)
     w = np.exp(scores - top)
     w = w / (w.sum(-1, keepdims=True) + np.exp(sink_logits - top))
-    want = (np.einsum("hrlt,htd->hrld", w, values) + _f64(v_mean)[0][:, None]).reshape(1, n_q, L, d)
+    want = np.einsum("hrlt,htd->hrld", w, values) + (_f64(v_mean)[0][:, None] if full else 0.0)
+    want = want.reshape(1, n_q, L, d)
     got = _f64(out)
     err = float(np.max(np.abs(got - want))) if got.shape == want.shape else float("inf")
     bound = ATTENTION_TOLERANCE[out_dtype] * max(1.0, float(np.max(np.abs(want))))

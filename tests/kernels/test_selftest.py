@@ -19,7 +19,7 @@ from oiq_mlx.cache import attention
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core import codec, rotation
 from oiq_mlx.core.config import OIQConfig
-from oiq_mlx.kernels import decode_attention, dispatch, launcher, selftest
+from oiq_mlx.kernels import decode_attention, dispatch, launcher, selftest, source
 
 D = 64
 CFG = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
@@ -146,6 +146,39 @@ def test_a_wrong_kernel_warns_once_and_the_reference_serves(metal, monkeypatch, 
     assert metal == []
 
 
+# Metal source edits that break decode attention (from test_kernels.py's MUTATIONS): a wrong
+# result at two query positions, and a kernel that does not compile when the placeholders of a
+# cache without packed rows are bound ``constant`` (the emulator's address spaces, as Metal's)
+MUTATIONS = {
+    "causal mask off by one": ("decode_attention.metal", "s = tj <= T - L + qpos[i] ? s : -INFINITY;",
+                               "s = tj < T - L + qpos[i] ? s : -INFINITY;"),
+    "device pointer in oiq_unpack": ("oiq_common.h", "template <int E, typename P>\nMETAL_FUNC void oiq_unpack(P words",
+                                     "template <int E>\nMETAL_FUNC void oiq_unpack(const device uint32_t* words"),
+}
+
+
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_mutated_kernel_source_fails_its_self_test(metal, monkeypatch, mutation):
+    """A kernel built from other (broken) sources is tested afresh, its verdict kept apart from
+    the real sources' pass, and fails with one warning naming it."""
+    file, old, new = MUTATIONS[mutation]
+    assert selftest.attention_ok(mx.float16, D, 2, mx.float16)  # the real sources pass
+    passed = selftest.cache_path()
+    original = source.metal_source
+    assert original(file).count(old) == 1, f"{mutation}: the mutated text is not in {file}"
+    monkeypatch.setattr(source, "metal_source", lambda name: original(name).replace(old, new) if name == file
+                        else original(name))
+    source.build_kernel.cache_clear()
+    try:
+        selftest.clear()
+        assert selftest.cache_path() != passed  # other sources, other verdicts
+        with pytest.warns(RuntimeWarning, match=r"oiq_decode_attention\[FT=float16,D=64,QB=2\]\+oiq_decode_merge"
+                                                r"\[OutT=float16,D=64\] failed its self-test"):
+            assert not selftest.attention_ok(mx.float16, D, 2, mx.float16)
+    finally:
+        source.build_kernel.cache_clear()
+
+
 def test_a_kernel_raising_at_launch_warns_and_the_reference_serves(metal, monkeypatch):
     def failing(kernel, **kwargs):
         raise RuntimeError("[metal::Device] Unable to build metal library from source\nerror: ...")
@@ -183,7 +216,10 @@ def test_the_environment_variable_picks_the_path(metal, monkeypatch):
     monkeypatch.setenv(selftest.MODE_VARIABLE, "auto")
     metal.clear()
     dispatch.quantize(x, 4, 32)
-    assert len(metal) == 3  # two self-test launches, then the call's
+    assert len(metal) > 1  # the self-test's launches, then the call's
+    metal.clear()
+    dispatch.quantize(x, 4, 32)
+    assert len(metal) == 1
     assert json.loads(selftest.cache_path().read_text())["verdicts"] == {f"oiq_quantize[T=float32,D={D},ROWS=4]": None}
 
 
