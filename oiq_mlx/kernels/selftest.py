@@ -127,6 +127,8 @@ def _name(v) -> str:
 
 
 def _ok(case: str, check) -> bool:
+    """The verdict on ``case``: from memory, else from disk (where any failure turns every kernel
+    off at once), else ``check()`` run now and its verdict kept in both."""
     if _state["trusted"]:
         return True
     m = mode()
