@@ -229,3 +229,19 @@ def test_trusted_skips_the_self_test(metal, monkeypatch):
     with selftest.trusted():
         assert selftest.quantize_ok(mx.float16, D) and selftest.attention_ok(mx.float16, D, 1, mx.float16)
     assert not selftest.cache_path().exists()
+
+
+def test_a_first_use_while_tracing_tests_as_usual(metal, tmp_path):
+    """A first use inside ``mx.compile`` or ``mx.export_function`` (a traced decode step): the
+    self-test evaluates only its own arrays, which tracing allows, and the trace completes."""
+    verdicts = []
+
+    def step(x):
+        verdicts.append(selftest.quantize_ok(mx.float16, D))
+        return x * 2
+
+    assert mx.compile(step)(mx.array(1.0)).item() == 2.0
+    selftest.clear()
+    selftest.cache_path().unlink()
+    mx.export_function(str(tmp_path / "step.mlxfn"), step, mx.array(1.0))
+    assert verdicts == [True, True] and len(metal) > 2  # tested twice: once per trace
