@@ -4,11 +4,12 @@ path for quantize and dequantize (the decode-kernel choice is with attention,
 the kernels.
 
 Kernels are used when Metal is available, the default device is the GPU,
-the shape is one the kernels serve, and ``OIQ_MLX_FORCE_REFERENCE`` is not
-set to ``1`` (nor ``OIQ_MLX_KERNELS`` to ``reference``), and the instantiation passed its
-first-use self-test (:mod:`.selftest`).  Everything else (Linux/CPU, CUDA, unsupported shapes) runs the
-reference path, which gives the same results (codes and scales bit-exact,
-attention within float32 rounding).
+the shape is one the kernels serve, neither ``OIQ_MLX_FORCE_REFERENCE=1`` nor
+``OIQ_MLX_KERNELS=reference`` is set, and the instantiation passed its
+first-use self-test (:mod:`.selftest`).  Everything else (Linux/CPU, CUDA,
+unsupported shapes, a failed self-test) runs the reference path, which gives
+the same results (codes and scales bit-exact, attention within float32
+rounding).
 
 Kernels serve head (storage) dimensions 32, 64, 128 and 256; other sizes
 (80, 96, 112, 160, 192, ... whose rotation is not a plain power-of-two
