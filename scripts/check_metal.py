@@ -2,8 +2,10 @@
 """Check the fused Metal kernels on a Mac: compile every kernel instantiation first (printing each
 failure with the Metal compiler's message), then compare the kernels with the reference on what users
 run (every preset, contexts shorter than the window up to 32k, d = 64/128/256, B > 1, fp16 and bf16)
-and time them against the reference path and SDPA on the uncompressed K/V.  Prints one Markdown report to paste into an
-issue; exits 0 when everything compiled and matched, 1 otherwise.
+and time them against the reference path and SDPA on the uncompressed K/V, then run every
+instantiation's first-use self-test (what a process runs before the kernels serve it; a failure there
+gives users the reference path).  Prints one Markdown report to paste into an issue; exits 0 when
+everything compiled, matched and passed, 1 otherwise.
 
 Needs an Apple GPU; exits with status 2 and a message elsewhere.
 """
@@ -30,12 +32,13 @@ def main(argv=None) -> int:
     except MetalUnavailable as e:
         print(f"check_metal: {e}", file=sys.stderr)
         return 2
-    compiled, checks = run_all(args.iters)
-    print(report(compiled, checks), flush=True)
+    compiled, checks, selftests = run_all(args.iters)
+    print(report(compiled, checks, selftests), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"compiled": compiled, "checks": checks}, f, indent=2)
-    return 0 if all(r["error"] is None for r in compiled) and all(r["ok"] for r in checks) else 1
+            json.dump({"compiled": compiled, "checks": checks, "selftest": selftests}, f, indent=2)
+    ok = all(r["error"] is None for r in compiled + selftests) and all(r["ok"] for r in checks)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -94,6 +94,17 @@ def compile_all(instantiations=None):
     return rows
 
 
+def check_selftest(instantiations=None):
+    """The first-use self-test (``kernels.selftest``) of every production instantiation (or those
+    given), run afresh: one row per test with ``error`` None or why it failed.  A failure here
+    means users of this machine get the reference path (and a warning), not the kernels."""
+    rows = []
+    for kernel, template in production_instantiations() if instantiations is None else instantiations:
+        case, why = selftest.check(kernel, template)
+        rows.append({"instantiation": case, "error": why})
+    return rows
+
+
 def check_codec(d: int, bits: int, group_size: int, dtype, tokens: int, iters: int):
     x = mx.random.normal((tokens, 8, d), key=mx.random.key(0)).astype(dtype)
     signs = rotation.random_signs(0, d)
@@ -171,23 +182,25 @@ def codec_cases():
 
 
 def run_all(iters: int = 20, decode=None, codecs=None):
-    """(compile rows, check rows): every instantiation compiled first, then the checks.  The
-    first-use self-test is skipped (``selftest.trusted``): this check measures the kernels
-    themselves, which a failed self-test would replace by the reference path."""
+    """(compile rows, check rows, self-test rows): every instantiation compiled first, then the
+    checks, then every instantiation's first-use self-test run afresh.  The checks skip the
+    self-test (``selftest.trusted``): they measure the kernels themselves, which a failed
+    self-test would replace by the reference path."""
     with selftest.trusted():
         compiled = compile_all()
         checks = [check_codec(**c, iters=iters) for c in (codec_cases() if codecs is None else codecs)]
         checks += [check_decode(**c, iters=iters) for c in (decode_cases() if decode is None else decode)]
-    return compiled, checks
+    return compiled, checks, check_selftest()
 
 
 def _ms(v):
     return "" if v is None else f"{v:.3f}"
 
 
-def report(compiled, checks) -> str:
+def report(compiled, checks, selftests=()) -> str:
     """One Markdown report to paste into an issue: machine, compile summary, the check table,
-    then every compile failure with its message."""
+    then every compile failure with its message, then the first-use self-test's summary and
+    failures (``check_selftest`` rows, when given)."""
     failed = [r for r in compiled if r["error"]]
     try:
         device = mx.metal.device_info().get("device_name", "?") if mx.metal.is_available() else "no Metal"
@@ -202,4 +215,8 @@ def report(compiled, checks) -> str:
                      f"{_ms(r['reference ms'])} | {_ms(r['sdpa ms'])} |")
     for r in failed:
         lines += ["", f"compile/launch failure: {r['instantiation']}", "```", r["error"], "```"]
+    if selftests:
+        bad = [r for r in selftests if r["error"]]
+        lines += ["", f"first-use self-test: {len(selftests) - len(bad)} of {len(selftests)} passed"]
+        lines += [f"- {r['instantiation']}: {r['error']}" for r in bad]
     return "\n".join(lines)

@@ -118,6 +118,22 @@ def attention_ok(fp_dtype, d: int, qb: int, out_dtype) -> bool:
     return _ok(case, lambda: _check_attention(fp_dtype, d, qb, out_dtype))
 
 
+def check(kernel: str, template) -> tuple[str, str | None]:
+    """``(case, None or why it failed)`` of the self-test of one production instantiation
+    (``instantiations.production_instantiations()``; attention with the merge writing its own
+    dtype, a merge with the attention of its dtype at one query row), run now, neither read from
+    nor kept in memory or on disk: what ``scripts/check_metal.py`` reports on a Mac."""
+    t = dict(template)
+    if kernel == "oiq_quantize":
+        return _case(kernel, *template), _run(lambda: _check_quantize(t["T"], t["D"]))
+    if kernel == "oiq_dequantize":
+        return _case(kernel, *template), _run(lambda: _check_dequantize(t["OutT"], t["D"]))
+    ft, qb, out = (t["FT"], t["QB"], t["FT"]) if kernel == "oiq_decode_attention" else (t["OutT"], 1, t["OutT"])
+    case = (_case("oiq_decode_attention", ("FT", ft), ("D", t["D"]), ("QB", qb)) + "+"
+            + _case("oiq_decode_merge", ("OutT", out), ("D", t["D"])))
+    return case, _run(lambda: _check_attention(ft, t["D"], qb, out))
+
+
 def _case(kernel: str, *template) -> str:
     return kernel + "[" + ",".join(f"{k}={_name(v)}" for k, v in template) + "]"
 

@@ -15,6 +15,7 @@ import mlx.core as mx
 import pytest
 
 from metal_emu import use_emulator
+from oiq_mlx.bench import metal_check
 from oiq_mlx.cache import attention
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core import codec, rotation
@@ -245,3 +246,20 @@ def test_a_first_use_while_tracing_tests_as_usual(metal, tmp_path):
     selftest.cache_path().unlink()
     mx.export_function(str(tmp_path / "step.mlxfn"), step, mx.array(1.0))
     assert verdicts == [True, True] and len(metal) > 2  # tested twice: once per trace
+
+
+def test_check_metal_reports_the_self_test(metal, monkeypatch):
+    """scripts/check_metal.py runs each instantiation's self-test afresh (nothing read or kept)
+    and reports failures by name: on a Mac, the check of the self-test itself."""
+    picks = [("oiq_quantize", (("T", mx.float16), ("D", D), ("ROWS", 4))),
+             ("oiq_decode_merge", (("OutT", mx.bfloat16), ("D", D)))]
+    rows = metal_check.check_selftest(picks)
+    assert rows == [{"instantiation": f"oiq_quantize[T=float16,D={D},ROWS=4]", "error": None},
+                    {"instantiation": f"oiq_decode_attention[FT=bfloat16,D={D},QB=1]+oiq_decode_merge"
+                                      f"[OutT=bfloat16,D={D}]", "error": None}]
+    _corrupting(decode_attention._merge_kernel, monkeypatch)
+    broken = metal_check.check_selftest(picks)
+    assert broken[0]["error"] is None and "attention output off the reference" in broken[1]["error"]
+    text = metal_check.report([], [], broken)
+    assert "first-use self-test: 1 of 2 passed" in text and "- oiq_decode_attention[FT=bfloat16" in text
+    assert not selftest.cache_path().exists()
