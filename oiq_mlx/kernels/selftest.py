@@ -64,6 +64,7 @@ ATTENTION_TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 
 _lock = threading.Lock()
 _state = {"verdicts": None, "failed": None, "trusted": 0}  # verdicts: case -> None (passed) or why it failed
+_passed: set = set()  # the argument tuples that passed in this process: the per-call fast path
 _warned_modes: set = set()
 
 
@@ -95,6 +96,7 @@ def clear() -> None:
     with _lock:
         _state["verdicts"] = None
         _state["failed"] = None
+        _passed.clear()
 
 
 # -- what dispatch and attention ask ---------------------------------------------------------
@@ -102,21 +104,21 @@ def clear() -> None:
 
 def quantize_ok(dtype, d: int) -> bool:
     """May ``oiq_quantize`` (T=dtype, D=d) serve (testing it now on first use)?"""
-    return _ok(_case("oiq_quantize", ("T", dtype), ("D", d), ("ROWS", quantize_module.ROWS_PER_THREADGROUP)),
-               lambda: _check_quantize(dtype, d))
+    return _ok(("oiq_quantize", dtype, d), lambda: _quantize_case(dtype, d), lambda: _check_quantize(dtype, d))
 
 
 def dequantize_ok(dtype, d: int) -> bool:
     """May ``oiq_dequantize`` (OutT=dtype, D=d) serve (testing it now on first use)?"""
-    return _ok(_case("oiq_dequantize", ("OutT", dtype), ("D", d)), lambda: _check_dequantize(dtype, d))
+    return _ok(("oiq_dequantize", dtype, d), lambda: _case("oiq_dequantize", ("OutT", dtype), ("D", d)),
+               lambda: _check_dequantize(dtype, d))
 
 
 def attention_ok(fp_dtype, d: int, qb: int, out_dtype) -> bool:
     """May decode attention (FT=fp_dtype, D=d, QB=qb) with its merge (OutT=out_dtype, D=d) serve
     (testing the pair now on first use)?"""
-    case = (_case("oiq_decode_attention", ("FT", fp_dtype), ("D", d), ("QB", qb)) + "+"
-            + _case("oiq_decode_merge", ("OutT", out_dtype), ("D", d)))
-    return _ok(case, lambda: _check_attention(fp_dtype, d, qb, out_dtype))
+    return _ok(("oiq_decode_attention", fp_dtype, d, qb, out_dtype),
+               lambda: _attention_case(fp_dtype, d, qb, out_dtype),
+               lambda: _check_attention(fp_dtype, d, qb, out_dtype))
 
 
 def check(kernel: str, template) -> tuple[str, str | None]:
@@ -126,13 +128,20 @@ def check(kernel: str, template) -> tuple[str, str | None]:
     nor kept in memory or on disk: what ``scripts/check_metal.py`` reports on a Mac."""
     t = dict(template)
     if kernel == "oiq_quantize":
-        return _case(kernel, *template), _run(lambda: _check_quantize(t["T"], t["D"]))
+        return _quantize_case(t["T"], t["D"]), _run(lambda: _check_quantize(t["T"], t["D"]))
     if kernel == "oiq_dequantize":
         return _case(kernel, *template), _run(lambda: _check_dequantize(t["OutT"], t["D"]))
     ft, qb, out = (t["FT"], t["QB"], t["FT"]) if kernel == "oiq_decode_attention" else (t["OutT"], 1, t["OutT"])
-    case = (_case("oiq_decode_attention", ("FT", ft), ("D", t["D"]), ("QB", qb)) + "+"
-            + _case("oiq_decode_merge", ("OutT", out), ("D", t["D"])))
-    return case, _run(lambda: _check_attention(ft, t["D"], qb, out))
+    return _attention_case(ft, t["D"], qb, out), _run(lambda: _check_attention(ft, t["D"], qb, out))
+
+
+def _quantize_case(dtype, d: int) -> str:
+    return _case("oiq_quantize", ("T", dtype), ("D", d), ("ROWS", quantize_module.ROWS_PER_THREADGROUP))
+
+
+def _attention_case(fp_dtype, d: int, qb: int, out_dtype) -> str:
+    return (_case("oiq_decode_attention", ("FT", fp_dtype), ("D", d), ("QB", qb)) + "+"
+            + _case("oiq_decode_merge", ("OutT", out_dtype), ("D", d)))
 
 
 def _case(kernel: str, *template) -> str:
@@ -143,17 +152,19 @@ def _name(v) -> str:
     return str(v).replace("mlx.core.", "") if isinstance(v, mx.Dtype) else str(v)
 
 
-def _ok(case: str, check) -> bool:
-    """The verdict on ``case``: from memory, else from disk (where any failure turns every kernel
-    off at once), else ``check()`` run now and its verdict kept in both."""
+def _ok(key: tuple, describe, check) -> bool:
+    """The verdict on the instantiation ``key`` stands for (``describe()`` names it): passed
+    before in this process, else from disk (where any failure turns every kernel off at once),
+    else ``check()`` run now and its verdict kept in both.  Asked on every kernel call: the
+    common answer is one set lookup."""
     if _state["trusted"]:
         return True
     m = mode()
     if m != "auto":
         return m == "kernels"
-    verdicts = _state["verdicts"]
-    if verdicts is not None and _state["failed"] is None and verdicts.get(case, "") is None:
-        return True  # tested before in this process (no lock: a read of settled state)
+    if key in _passed:
+        return True
+    case = describe()
     with _lock:
         if _state["verdicts"] is None:
             _state["verdicts"] = _load()
@@ -162,14 +173,15 @@ def _ok(case: str, check) -> bool:
                 _fail(bad, _state["verdicts"][bad], cached=True)
         if _state["failed"] is not None:
             return False
-        if case in _state["verdicts"]:
-            return True
-        why = _run(check)
-        _state["verdicts"][case] = why
-        _save(case, why)
-        if why is not None:
-            _fail(case, why, cached=False)
-        return why is None
+        if case not in _state["verdicts"]:
+            why = _run(check)
+            _state["verdicts"][case] = why
+            _save(case, why)
+            if why is not None:
+                _fail(case, why, cached=False)
+                return False
+        _passed.add(key)
+        return True
 
 
 def _run(check) -> str | None:
@@ -182,6 +194,7 @@ def _run(check) -> str | None:
 
 def _fail(case: str, why: str, cached: bool) -> None:
     _state["failed"] = case
+    _passed.clear()
     where = f" (verdict kept in {cache_path()}; delete it to test again)" if cached else ""
     warnings.warn(f"oiq_mlx: Metal kernel {case} failed its self-test: {why}{where}; the reference path "
                   "serves this process from now on", RuntimeWarning, stacklevel=4)
@@ -327,13 +340,13 @@ def _check_attention(fp_dtype, d: int, qb: int, out_dtype) -> str | None:
     absent input, which MLX binds ``constant`` where small, another generated kernel).
     Against a float64 softmax over the stored values."""
     for case in ("full", "window"):
-        why = _attention_case(fp_dtype, d, qb, out_dtype, case == "full")
+        why = _attention_trial(fp_dtype, d, qb, out_dtype, case == "full")
         if why is not None:
             return f"{why} ({case})"
     return None
 
 
-def _attention_case(fp_dtype, d: int, qb: int, out_dtype, full: bool) -> str | None:
+def _attention_trial(fp_dtype, d: int, qb: int, out_dtype, full: bool) -> str | None:
     L = 2 if qb >= 2 else 1
     n_kv, rep = 2, qb // L
     n_sink, n_packed, n_recent = (2, 5, 3) if full else (0, 0, 6)
