@@ -46,7 +46,7 @@ from ..cache.entries import packed_rows
 from ..cache.sequence import OIQKVCache
 from ..core import codec, rotation
 from ..core.config import OIQConfig
-from ..kernels import dispatch, launcher
+from ..kernels import dispatch, launcher, selftest
 from ..kernels.decode_attention import decode_attention
 from ..kernels.dequantize import dequantize
 from ..kernels.instantiations import production_instantiations
@@ -406,7 +406,7 @@ def checks(grid: Grid = FULL, iters: int = 0) -> list:
     n_kv, rep = _heads(d)
     T = max(c for c in grid.contexts if c <= 8192)
     for preset in grid.variant_presets:
-        base = dict(preset=preset, d=d, context=T, B=2, dtype=mx.float16, n_kv=n_kv, rep=rep)
+        base = dict(preset=preset, d=d, context=T, B=1, dtype=mx.float16, n_kv=n_kv, rep=rep)
         variants = [("verify L=4 causal", dict(L=4, mask="causal")), ("verify L=4 bool mask", dict(L=4, mask="bool")),
                     ("verify L=3 additive mask", dict(L=3, mask="additive")),
                     ("after trim", dict(after="trim")), ("after save/load", dict(after="load"))]
@@ -420,18 +420,34 @@ def checks(grid: Grid = FULL, iters: int = 0) -> list:
     return out
 
 
-def run_all(grid: Grid = FULL, iters: int = 20, progress=None):
-    """(compile rows, check rows, speed rows, end-to-end row or None)."""
-    compiled = compile_all()
+def check_selftest(instantiations=None):
+    """The first-use self-test (``kernels.selftest``) of every production instantiation (or those
+    given), run afresh: one row per test with ``error`` None or why it failed.  A failure here
+    means users of this machine get the reference path (and a warning), not the kernels."""
     rows = []
-    for name, fn in checks(grid, iters=0):
-        rows.append(isolated(name, fn))
-        if progress:
-            progress(f"{'ok  ' if rows[-1]['ok'] else 'FAIL'} {name}: {rows[-1]['detail']}")
-    speed = [isolated(f"speed 4bit d=128 T={t}", lambda t=t: check_decode(
-        "4bit", 128, t, 1, mx.float16, 8, 4, iters=iters)) for t in grid.speed_contexts] if iters else []
+    for kernel, template in production_instantiations() if instantiations is None else instantiations:
+        case, why = selftest.check(kernel, template)
+        rows.append({"instantiation": case, "error": why})
+    return rows
+
+
+def run_all(grid: Grid = FULL, iters: int = 20, progress=None):
+    """(compile rows, check rows, speed rows, end-to-end row or None, self-test rows).  The compile
+    step, the checks and the speed table skip the first-use self-test (``selftest.trusted``): they
+    measure the kernels themselves, which a failed self-test would replace by the reference path;
+    then every instantiation's self-test runs afresh, and the end-to-end line runs as users run."""
+    rows = []
+    with selftest.trusted():
+        compiled = compile_all()
+        for name, fn in checks(grid, iters=0):
+            rows.append(isolated(name, fn))
+            if progress:
+                progress(f"{'ok  ' if rows[-1]['ok'] else 'FAIL'} {name}: {rows[-1]['detail']}")
+        speed = [isolated(f"speed 4bit d=128 T={t}", lambda t=t: check_decode(
+            "4bit", 128, t, 1, mx.float16, 8, 4, iters=iters)) for t in grid.speed_contexts] if iters else []
+    selftests = check_selftest()
     e2e = end_to_end() if grid.end_to_end and iters else None
-    return compiled, rows, speed, e2e
+    return compiled, rows, speed, e2e, selftests
 
 
 def _time(fn, iters: int) -> float:
@@ -476,31 +492,35 @@ def _ms(v):
     return "" if v is None else f"{v:.3f}"
 
 
-def verdict(compiled, rows, speed=()) -> tuple:
+def verdict(compiled, rows, speed=(), selftests=()) -> tuple:
     """``(passed, line)``: the report's first line."""
     failed = [r for r in (*rows, *speed) if not r["ok"]]
     bad = [r for r in compiled if r["error"]]
+    bad_selftests = [r for r in selftests if r["error"]]
     n = len(rows) + len(speed)
-    if not failed and not bad:
-        return True, f"check_metal: PASS: {n} checks, {len(compiled)} kernel instantiations compiled"
+    if not failed and not bad and not bad_selftests:
+        return True, (f"check_metal: PASS: {n} checks, {len(compiled)} kernel instantiations compiled"
+                      + (f", {len(selftests)} first-use self-tests passed" if selftests else ""))
     first = failed[0] if failed else None
     what = [f"{len(failed)} of {n} checks failed"] if failed else []
     what += [f"{len(bad)} of {len(compiled)} instantiations did not compile"] if bad else []
+    what += [f"{len(bad_selftests)} of {len(selftests)} first-use self-tests failed"] if bad_selftests else []
     line = "check_metal: FAIL: " + ", ".join(what)
     if first is not None:
         line += f" (first: {first['check']}: {first['detail']})"
     return False, line
 
 
-def report(compiled, rows, speed=(), e2e=None) -> str:
+def report(compiled, rows, speed=(), e2e=None, selftests=()) -> str:
     """One Markdown report to paste into an issue: the verdict, the machine, the compile summary,
-    every check, the speed table, the end-to-end line, then every compile failure with its message."""
+    every check, the speed table, the end-to-end line, every compile failure with its message, then
+    the first-use self-test's summary and failures."""
     bad = [r for r in compiled if r["error"]]
     try:
         device = mx.metal.device_info().get("device_name", "?") if mx.metal.is_available() else "no Metal"
     except (RuntimeError, AttributeError):
         device = "?"
-    lines = [verdict(compiled, rows, speed)[1], "",
+    lines = [verdict(compiled, rows, speed, selftests)[1], "",
              f"mlx {mx.__version__}, {platform.platform()}, {device}", "",
              f"compiled {len(compiled) - len(bad)} of {len(compiled)} kernel instantiations", "",
              "| check | result | detail |", "|---|---|---|"]
@@ -518,4 +538,8 @@ def report(compiled, rows, speed=(), e2e=None) -> str:
             f"{k} {v['tokens/s']:.1f} tokens/s, peak {v['peak GB']:.2f} GB" for k, v in e2e.items())]
     for r in bad:
         lines += ["", f"compile/launch failure: {r['instantiation']}", "```", r["error"], "```"]
+    if selftests:
+        failed = [r for r in selftests if r["error"]]
+        lines += ["", f"first-use self-test: {len(selftests) - len(failed)} of {len(selftests)} passed"]
+        lines += [f"- {r['instantiation']}: {r['error']}" for r in failed]
     return "\n".join(lines)

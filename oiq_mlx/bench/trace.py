@@ -11,7 +11,8 @@ broadcasts (``VIEW_PRIMITIVES``), which launch nothing.  A ``Compiled...`` primi
 the launcher (``kernels.launcher.launch``) by one that records each kernel call and returns
 evaluated zero placeholders: calling a kernel outside tracing raises "No Metal back-end" off a
 Mac, and the placeholders keep the kernels' inputs out of the graph; each recorded call counts
-as one dispatch.  On the reference path (``kernels=False``) the count is what the CPU backend
+as one dispatch, and the first-use self-test (``kernels.selftest``) is skipped (it would read
+the placeholders).  On the reference path (``kernels=False``) the count is what the CPU backend
 (and CI) runs, which is also what MLX would launch for that graph on any device.
 """
 
@@ -27,6 +28,7 @@ import mlx.core as mx
 
 from ..kernels import dispatch
 from ..kernels import launcher
+from ..kernels import selftest
 
 # "View" (a dtype reinterpretation) shares its input's buffer when the dtype narrows over a
 # contiguous last axis, the one way the cache uses it (codec.split_rows: float16 scales out of
@@ -71,7 +73,8 @@ def metal_kernels_selected(calls: list):
     real_launch, real_enabled = launcher.launch, dispatch.kernels_enabled
     launcher.launch, dispatch.kernels_enabled = counting, lambda: True
     try:
-        yield calls
+        with selftest.trusted():  # a self-test would read the placeholders and decline the kernels
+            yield calls
     finally:
         launcher.launch, dispatch.kernels_enabled = real_launch, real_enabled
 

@@ -35,7 +35,8 @@ from ..kernels import dispatch
 from ..core import rotation
 from .common import halves, pad_last
 from ..core.codec import SUPPORTED_BITS
-from ..kernels.decode_attention import OUT_DTYPES, decode_attention
+from ..kernels import selftest
+from ..kernels.decode_attention import OUT_DTYPES, decode_attention, query_rows_per_chunk
 
 # queries per step up to which attention takes the decode path (kernel or reference)
 DECODE_MAX_QUERIES = 8
@@ -187,6 +188,8 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
     if isinstance(mask, str) and L > 1 and cache.offset < L:
         return None
     if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (n_q,)):
+        return None
+    if not selftest.attention_ok(cache.dtype, k.dim, query_rows_per_chunk(n_q // n_kv * L, k.dim), out_dtype):
         return None
     q = queries if queries.dtype == cache.dtype else queries.astype(cache.dtype)
     if dq != k.dim:

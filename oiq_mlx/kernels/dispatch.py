@@ -4,10 +4,12 @@ path for quantize and dequantize (the decode-kernel choice is with attention,
 the kernels.
 
 Kernels are used when Metal is available, the default device is the GPU,
-the shape is one the kernels serve, and ``OIQ_MLX_FORCE_REFERENCE`` is not
-set to ``1``.  Everything else (Linux/CPU, CUDA, unsupported shapes) runs the
-reference path, which gives the same results (codes and scales bit-exact,
-attention within float32 rounding).
+the shape is one the kernels serve, neither ``OIQ_MLX_FORCE_REFERENCE=1`` nor
+``OIQ_MLX_KERNELS=reference`` is set, and the instantiation passed its
+first-use self-test (:mod:`.selftest`).  Everything else (Linux/CPU, CUDA,
+unsupported shapes, a failed self-test) runs the reference path, which gives
+the same results (codes and scales bit-exact, attention within float32
+rounding).
 
 Kernels serve head (storage) dimensions 32, 64, 128 and 256; other sizes
 (80, 96, 112, 160, 192, ... whose rotation is not a plain power-of-two
@@ -24,6 +26,7 @@ import os
 import mlx.core as mx
 
 from ..core import codec, rotation
+from . import selftest
 from .source import SUPPORTED_DIMS
 from .dequantize import dequantize as kernel_dequantize
 from .quantize import quantize as kernel_quantize
@@ -31,7 +34,10 @@ from .quantize import quantize_rows as kernel_quantize_rows
 
 
 def kernels_enabled() -> bool:
-    if os.environ.get("OIQ_MLX_FORCE_REFERENCE", "0") == "1":
+    """Metal is here, the default device is the GPU, and neither ``OIQ_MLX_FORCE_REFERENCE=1`` nor
+    ``OIQ_MLX_KERNELS=reference`` asks for the reference path.  (Each instantiation also passes
+    its first-use self-test before it serves: :mod:`.selftest`.)"""
+    if os.environ.get("OIQ_MLX_FORCE_REFERENCE", "0") == "1" or selftest.mode() == "reference":
         return False
     return mx.metal.is_available() and mx.default_device() == mx.gpu
 
@@ -61,7 +67,7 @@ def quantize_kernel(x: mx.array, bits: int, group_size: int, *, signs=None, clip
         return None
     if not mx.issubdtype(x.dtype, mx.floating) or not codec_shape_ok(x.shape[-1], bits, group_size):
         return None
-    if not _signs_ok(signs, x.shape[-1]):
+    if not _signs_ok(signs, x.shape[-1]) or not selftest.quantize_ok(x.dtype, x.shape[-1]):
         return None
     return kernel_quantize(x, bits=bits, group_size=group_size, signs=signs)
 
@@ -108,7 +114,7 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
             stores) instead of ``(codes, scales)``; the kernel writes them directly.
     """
     if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
-            and codec_shape_ok(x.shape[-1], bits, group_size)):
+            and codec_shape_ok(x.shape[-1], bits, group_size) and selftest.quantize_ok(x.dtype, x.shape[-1])):
         return kernel_quantize_rows(x, bits=bits, group_size=group_size, lam=lam, signs=signs, rotate=rotate,
                                     clip=clip, joined=joined, align=align)
     y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
@@ -137,7 +143,7 @@ def dequantize_kernel(codes: mx.array, scales: mx.array, bits: int, group_size: 
         return None
     if scales.shape != (*codes.shape[:-1], dim // group_size):
         return None
-    if dtype not in (mx.float16, mx.bfloat16, mx.float32):
+    if dtype not in (mx.float16, mx.bfloat16, mx.float32) or not selftest.dequantize_ok(dtype, dim):
         return None
     return kernel_dequantize(codes, scales, bits=bits, group_size=group_size, dtype=dtype, signs=signs)
 

@@ -32,7 +32,6 @@ from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.cache.common import halves
 from oiq_mlx.core.config import OIQConfig
 from oiq_mlx.kernels import launcher as _launch, source as _source
-from oiq_mlx.bench import metal_check as check
 from oiq_mlx.kernels.source import SUPPORTED_DIMS
 from oiq_mlx.kernels.decode_attention import decode_attention, fast_exp_relative_bound, query_rows_per_chunk
 from oiq_mlx.kernels.instantiations import DTYPES as KERNEL_DTYPES
@@ -651,8 +650,10 @@ def test_decode_attention_nan_group_shows(metal_emulator):
 
 @pytest.fixture
 def kernels_on(metal_emulator, monkeypatch):
-    """Pretend Metal is here: dispatch picks kernels, which run on the emulator."""
+    """Pretend Metal is here: dispatch picks kernels, which run on the emulator (without the
+    first-use self-test, whose launches would count here: tests/kernels/test_selftest.py)."""
     monkeypatch.setattr(dispatch, "kernels_enabled", lambda: True)
+    monkeypatch.setenv("OIQ_MLX_KERNELS", "kernels")
     calls = []
     real = _launch.launch
 
@@ -1060,47 +1061,6 @@ def test_resources_of_production_instantiations(production_run):
         assert r["threadgroup_bytes"] <= 32768 and r["threads_per_threadgroup"] <= 1024, r
         assert r["private_bytes"] is not None and r["private_bytes"] > 0, r
     print("\n" + emulator.resource_table(rows))
-
-
-def test_check_metal_compile_step_and_report(kernels_on, monkeypatch):
-    """scripts/check_metal.py's steps, run on the emulator: compile (and launch) instantiations on
-    their smallest inputs, check a short and a packed decode, one report with every failure."""
-    picks = [p for p in PRODUCTION if _instantiation_id(*p) in {
-        "oiq_quantize[T=float16,D=64,ROWS=4]", "oiq_dequantize[OutT=bfloat16,D=32]",
-        "oiq_decode_attention[FT=float16,D=64,QB=2]", "oiq_decode_merge[OutT=float16,D=64]"}]
-    assert len(picks) == 4
-    compiled = check.compile_all(picks)
-    assert [r["error"] for r in compiled] == [None] * 4
-    checks = [check.check_codec(64, 3, 32, mx.bfloat16, 5, iters=0),
-              check.check_decode("3bit", 64, 40, 2, mx.float16, 1, 2, 1, iters=0),
-              check.check_decode("2bit", 64, 150, 1, mx.bfloat16, 1, 3, 4, iters=0)]
-    assert all(r["ok"] for r in checks), checks
-    # a kernel that Metal would not compile shows up with the compiler's message
-    file, old, new, _ = MUTATIONS["device pointer in oiq_unpack"]
-    original = _source.metal_source
-    monkeypatch.setattr(_source, "metal_source",
-                        lambda name: original(name).replace(old, new) if name == file else original(name))
-    _source.build_kernel.cache_clear()
-    try:
-        broken = check.compile_all(picks[-2:])
-    finally:
-        _source.build_kernel.cache_clear()
-    # the merge's smoke launch runs pass 1 too, which fails the same way
-    assert all("address space '2' (constant)" in r["error"] for r in broken)
-    text = check.report(compiled + broken, checks)
-    assert "compiled 4 of 6 kernel instantiations" in text
-    assert text.count("| ok |") == 3 and "compile/launch failure: oiq_decode_attention[FT=float16, D=64, QB=2]" in text
-    assert "cannot pass pointer to address space '2' (constant)" in text
-
-
-def test_check_metal_cases_cover_what_users_run():
-    cases = check.decode_cases()
-    assert {c["preset"] for c in cases} == {"4bit", "3bit", "2bit"}
-    assert {(c["preset"], c["context"]) for c in cases} == {(p, t) for p in check.PRESETS for t in check.CONTEXTS}
-    assert min(check.CONTEXTS) < 4 + 64 and max(check.CONTEXTS) == 32768
-    assert {c["d"] for c in cases} == {64, 128, 256} and {c["B"] for c in cases} == {1, 2}
-    assert {c["dtype"] for c in cases} == {mx.float16, mx.bfloat16} and max(c["L"] for c in cases) > 1
-    assert {c["d"] for c in check.codec_cases()} == {64, 128, 256}
 
 
 def test_stacked_batch_decode_through_kernels(kernels_on):
