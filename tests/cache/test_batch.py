@@ -394,11 +394,11 @@ def test_a_stacked_step_builds_its_mask_and_index_once_for_all_layers(monkeypatc
 
 
 def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
-    """oiq-server's prompt cache: a checkpoint that is a prefix of a finished sequence is
-    kept (mlx-lm drops it for trimmable caches) and serves a request that would otherwise
-    need the finished sequence trimmed deeper than the trim reserve; a trim within the
-    reserve still reuses the longer entry, and with no shorter entry a deeper trim is not
-    made at all."""
+    """oiq-server's prompt cache with --keep-checkpoints: a checkpoint that is a prefix of a
+    finished sequence is kept (mlx-lm drops it for trimmable caches, as OIQPromptCache does by
+    default) and serves a request that would otherwise need the finished sequence trimmed deeper
+    than the trim reserve; a trim within the reserve still reuses the longer entry, and with no
+    shorter entry a deeper trim is not made at all."""
     from oiq_mlx.mlx_lm.prompt_cache import OIQPromptCache, trim_is_exact
 
     def cache_of(n, seed=3):
@@ -410,7 +410,7 @@ def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
 
     checkpoint, finished = cache_of(30), cache_of(60)
     assert trim_is_exact(finished, 2) and not trim_is_exact(finished, 30)
-    lru = OIQPromptCache(max_size=8)
+    lru = OIQPromptCache(max_size=8, keep_checkpoints=True)
     lru.insert_cache("m", list(range(30)), checkpoint, cache_type="system")
     lru.insert_cache("m", list(range(60)), finished)
     assert len(lru) == 2
@@ -422,7 +422,7 @@ def test_server_prompt_cache_keeps_checkpoints_and_trims_only_exactly():
     got, rest = lru.fetch_nearest_cache("m", list(range(58)) + [999])
     assert got[0].offset == 58 and rest == [999]
     # shares 25 with a sequence and nothing shorter is cached: a fresh prefill, not a deep trim
-    alone = OIQPromptCache(max_size=8)
+    alone = OIQPromptCache(max_size=8, keep_checkpoints=True)
     alone.insert_cache("m", list(range(60)), finished)
     got, rest = alone.fetch_nearest_cache("m", list(range(25)) + [999])
     assert got is None and rest == list(range(25)) + [999]

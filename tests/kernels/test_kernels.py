@@ -239,9 +239,9 @@ def test_quantize_rows_of_a_strided_slice_launches_only_the_kernel():
     calls = []
     with trace.metal_kernels_selected(calls):
         rows = dispatch.quantize_rows(x, bits, g, lam=lam, signs=signs, clip=False, joined=True)
-        graph = trace.launching_primitives([rows, *calls[0]])
+        graph = trace.launching_primitives([rows, *calls[0].inputs])
     assert len(calls) == 1 and graph == {}, graph
-    assert calls[0][0].shape == x.shape
+    assert calls[0].inputs[0].shape == x.shape
     assert rows.shape == (2, 1, 2, 16, codec.row_width(d, bits, g))
 
 
