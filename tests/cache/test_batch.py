@@ -12,6 +12,7 @@ from mlx_lm.models.cache import LRUPromptCache
 
 from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
 from oiq_mlx.cache.attention import oiq_attention, oiq_batch_attention
+from oiq_mlx.bench.bytes import held_arrays
 from oiq_mlx.cache.batch import BatchOIQKVCache
 
 # window 8 + 2 sinks: prompts of 5, 23 and 40 tokens put the packed-segment
@@ -213,20 +214,6 @@ def test_merge_and_prepare_reject_what_they_cannot_serve():
         OIQKVCache.merge([a, OIQKVCache(CFG)]).prepare(lengths=[2, 3], right_padding=[1, 1])
 
 
-def _held_arrays(obj, seen=None):
-    seen = set() if seen is None else seen
-    if id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, mx.array):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [a for x in obj for a in _held_arrays(x, seen)]
-    if hasattr(obj, "__dict__") and not isinstance(obj, OIQConfig):
-        return [a for x in vars(obj).values() for a in _held_arrays(x, seen)]
-    return []
-
-
 def test_prompt_cache_copies_and_counts_oiq_caches():
     """mlx-lm's LRUPromptCache deep-copies what it hands out and counts ``nbytes``:
     the copy is independent and no float copy of the packed segment is kept."""
@@ -245,7 +232,7 @@ def test_prompt_cache_copies_and_counts_oiq_caches():
         # count those once (the default K5V3 packs each side into its own buffer)
         views = {id(a) for side in (c.k, c.v) for a in (side.recent,)}
         assert c._kv_recent is not None and c._kv_rows is None and c.k.rows is not None
-        assert c.nbytes == sum(a.nbytes for a in _held_arrays(c) if id(a) not in views)
+        assert c.nbytes == sum(a.nbytes for a in held_arrays(c) if id(a) not in views)
     got, rest = lru.fetch_nearest_cache("m", tokens + [7, 8])
     assert rest == [7, 8]
     for a, b in zip(cache, got):
@@ -355,7 +342,7 @@ def test_stacked_step_launches_as_much_work_for_eight_sequences_as_for_one():
         mx.eval(oiq_batch_attention(mx.ones((n_seq, 2 * H, 1, D)), batch, scale=0.1), batch.state)
         batch.update_and_fetch(*(mx.ones((n_seq, H, 1, D)),) * 2)
         out = oiq_batch_attention(mx.ones((n_seq, 2 * H, 1, D)), batch, scale=0.1)
-        return sum(trace.launching_primitives([out, *_held_arrays(batch.state)]).values())
+        return sum(trace.launching_primitives([out, *held_arrays(batch.state)]).values())
 
     one, eight = step_count(1), step_count(8)
     assert one == eight, (one, eight)
