@@ -63,6 +63,13 @@ def _affine(scales, half):
     return s, s * half
 
 
+@mx.compile
+def _shifted_sinks(sinks, shift, scale):
+    """Per query row sink logits ``(B, n_q, L)`` float32: ``sinks`` less the scaled query-mean
+    products ``shift`` (what centering the keys took from every score)."""
+    return sinks.astype(mx.float32).reshape(1, -1, 1) - scale * shift
+
+
 @functools.lru_cache(maxsize=None)
 def _combine(dtype):
     """Output: the sinks' and the window's shares + the un-rotated packed share
@@ -195,10 +202,10 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
     if dq != k.dim:
         q = mx.pad(q, [(0, 0)] * 3 + [(0, k.dim - dq)])
     if sinks is not None and k.mean is not None:
-        # centered keys shift every score by -q.mean; the sink logit must follow
-        qg = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, k.dim) * scale
-        shift = mx.sum(qg * mx.expand_dims(k.mean, 2), axis=-1).reshape(B, n_q, L)
-        sinks = sinks.astype(mx.float32).reshape(1, n_q, 1) - shift
+        # centered keys shift every score by -q.mean; the sink logit must follow: one cast of the
+        # queries, one matmul against the mean, one fused pass (three dispatches)
+        shift = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv * L, k.dim) @ mx.swapaxes(k.mean, -1, -2)
+        sinks = _shifted_sinks(sinks, shift.reshape(B, n_q, L), mx.array(scale, mx.float32))
     return decode_attention(
         q, scale=scale, segments=segments,
         k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,

@@ -122,7 +122,11 @@ def fast_exp_relative_bound(keys_per_part: int, mean_gap: float) -> float:
 
 
 def _sink_rows(sinks: mx.array, B: int, n_q: int, L: int) -> mx.array:
+    """The merge kernel's sink logits, ``(B, n_q, L)`` float32 row-contiguous: logits per query
+    row as given (the output of a computation is), else per head broadcast in one copy."""
     s = sinks.astype(mx.float32)
+    if s.shape == (B, n_q, L):
+        return s
     if s.ndim == 1:
         s = s.reshape(1, n_q, 1)
     return mx.contiguous(mx.broadcast_to(s, (B, n_q, L)))

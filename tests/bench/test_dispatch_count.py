@@ -143,3 +143,49 @@ def test_stacked_batch_step_dispatches_do_not_grow_with_the_batch(kernels):
     assert one == eight, (one, eight)
     if kernels:
         assert eight == 4, eight  # centering, window write, attention and merge kernels
+
+
+def _sink_step_counts(make, attend, steps=3):
+    """Dispatches of ``steps`` decode steps after a 300-token prompt, ``attend(q, cache, sinks)``."""
+    cache = make()
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(0)).astype(mx.float16)
+    cache.update_and_fetch(k, k)
+    if hasattr(cache, "end_prefill"):
+        cache.release_fresh()
+        cache.end_prefill()
+    mx.eval(trace.arrays_of(cache))
+    out = []
+    for t in range(steps):
+        kn = mx.random.normal((1, 2, 1, 64), key=mx.random.key(t + 1)).astype(mx.float16)
+        q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(t + 50)).astype(mx.float16)
+        mx.eval(kn, q)
+        kernels = isinstance(cache, OIQKVCache)
+        total, graph = trace.step_dispatches(lambda: (cache.update_and_fetch(kn, kn), trace.arrays_of(cache)),
+                                             lambda fetched: attend(q, cache, fetched), kernels=kernels)
+        out.append((total, dict(graph)))
+    return out
+
+
+def test_attention_sinks_cost_three_dispatches():
+    """A model with attention sinks (per-head logits, as gpt-oss) on the Metal path: the sink
+    logit follows the key centering (minus scale * q . mean): one cast of the queries, one
+    matmul against the mean, one fused pass; the merge kernel reads the result as it is (no
+    broadcast copy).  7 per step, against 4 without sinks; mlx-lm's KVCache + SDPA with sinks
+    counts 7 in the same (CPU) graph."""
+    from mlx_lm.models.cache import KVCache
+
+    from oiq_mlx.cache.attention import oiq_attention
+
+    sinks = mx.random.normal((8,), key=mx.random.key(99))
+    mx.eval(sinks)
+    make = lambda: OIQKVCache(OIQConfig.preset("4bit"))  # noqa: E731
+    without = _sink_step_counts(make, lambda q, c, f: oiq_attention(q, c, 0.125, None, None))
+    with_sinks = _sink_step_counts(make, lambda q, c, f: oiq_attention(q, c, 0.125, None, sinks))
+    assert [t for t, _ in without] == [4] * 3
+    assert [t for t, _ in with_sinks] == [7] * 3, with_sinks
+    assert "Contiguous" not in with_sinks[0][1] and with_sinks[0][1]["Matmul"] == 1
+    sinks16 = sinks.astype(mx.float16)
+    mx.eval(sinks16)
+    fp = _sink_step_counts(KVCache, lambda q, c, f: mx.fast.scaled_dot_product_attention(
+        q, f[0], f[1], scale=0.125, sinks=sinks16))
+    assert [t for t, _ in fp] == [7] * 3, fp
