@@ -114,7 +114,10 @@ def test_a_checkpoint_shares_the_rows_of_the_sequence_it_prefixes_and_bytes_are_
     finished entry's packed rows, counted once; when the finished entry is evicted the checkpoint
     takes its rows back (a copy: the finished entry's buffers are freed) and is counted at them.
     MLX's allocator agrees with the count at each step."""
-    _conversation(model, POSITIONAL, TOKENS[:1200], 900, OIQPromptCache())  # compiles and caches what MLX keeps
+    warm = OIQPromptCache(keep_checkpoints=True)  # the same steps once: compiles and caches what MLX keeps
+    _conversation(model, POSITIONAL, TOKENS[:1200], 900, warm)
+    warm.trim_to(n_sequences=1)
+    del warm
     m0 = _active_memory()
     pc = OIQPromptCache(keep_checkpoints=True)
     live = _conversation(model, POSITIONAL, TOKENS[:1200], 900, pc)
