@@ -234,25 +234,31 @@ def check_write_path(preset: str, options: dict, d: int, dtype, context: int) ->
             + ("bit-exact" if differ == 0 else f"{differ} stored values differ")}
 
 
-def truth(queries: mx.array, cache, scale: float, mask, sinks) -> np.ndarray:
-    """float64 attention of ``queries`` over the rows ``cache`` holds (``dequantized_kv``)."""
-    K, V = (np.array(x).astype(np.float64) for x in cache.dequantized_kv())
+def truth(queries: mx.array, cache, scale: float, mask, sinks, chunk: int = 8192) -> np.ndarray:
+    """float64 attention of ``queries`` over the rows ``cache`` holds (``dequantized_kv``), heads
+    grouped and the rows taken ``chunk`` at a time (64k tokens stay within a few hundred MB)."""
+    K, V = (np.array(x) for x in cache.dequantized_kv())  # float32 (B, n_kv, T, d)
     B, n_q, L, d = queries.shape
-    rep = n_q // K.shape[1]
-    K, V = np.repeat(K, rep, axis=1), np.repeat(V, rep, axis=1)
-    T = K.shape[2]
-    s = np.einsum("bhld,bhtd->bhlt", np.array(queries.astype(mx.float32)).astype(np.float64), K) * scale
+    n_kv, T = K.shape[1], K.shape[2]
+    q = np.array(queries.astype(mx.float32)).astype(np.float64).reshape(B, n_kv, n_q // n_kv * L, d)
+    s = np.concatenate([np.einsum("bgrd,bgtd->bgrt", q, K[:, :, a : a + chunk].astype(np.float64))
+                        for a in range(0, T, chunk)], axis=-1).reshape(B, n_q, L, T) * scale
     if isinstance(mask, str):
         s = s + np.where(np.arange(T)[None, :] <= np.arange(T - L, T)[:, None], 0.0, -np.inf)
     elif mask is not None:
         m = np.array(mask.astype(mx.float32) if mask.dtype != mx.bool_ else mask)
         s = s + (np.where(m, 0.0, -np.inf) if m.dtype == np.bool_ else m.astype(np.float64))
+    top = s.max(-1, keepdims=True)
     if sinks is not None:
-        sl = np.broadcast_to(np.array(sinks).astype(np.float64)[None, :, None, None], (B, n_q, L, 1))
-        s = np.concatenate([sl, s], axis=-1)
-    p = np.exp(s - s.max(-1, keepdims=True))
-    p = p / p.sum(-1, keepdims=True)
-    return np.einsum("bhlt,bhtd->bhld", p[..., 1:] if sinks is not None else p, V)
+        top = np.maximum(top, np.array(sinks).astype(np.float64)[None, :, None, None])
+    p = np.exp(s - top)
+    total = p.sum(-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(np.array(sinks).astype(np.float64)[None, :, None, None] - top)
+    p = (p / total).reshape(B, n_kv, n_q // n_kv * L, T)
+    out = sum(np.einsum("bgrt,bgtd->bgrd", p[..., a : a + chunk], V[:, :, a : a + chunk].astype(np.float64))
+              for a in range(0, T, chunk))
+    return out.reshape(B, n_q, L, V.shape[-1])
 
 
 def _compare(out: mx.array, ref: mx.array, want: np.ndarray, calls: list, expect: int = 2) -> dict:
