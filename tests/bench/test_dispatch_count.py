@@ -145,27 +145,6 @@ def test_stacked_batch_step_dispatches_do_not_grow_with_the_batch(kernels):
         assert eight == 4, eight  # centering, window write, attention and merge kernels
 
 
-def _sink_step_counts(make, attend, steps=3):
-    """Dispatches of ``steps`` decode steps after a 300-token prompt, ``attend(q, cache, sinks)``."""
-    cache = make()
-    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(0)).astype(mx.float16)
-    cache.update_and_fetch(k, k)
-    if hasattr(cache, "end_prefill"):
-        cache.release_fresh()
-        cache.end_prefill()
-    mx.eval(trace.arrays_of(cache))
-    out = []
-    for t in range(steps):
-        kn = mx.random.normal((1, 2, 1, 64), key=mx.random.key(t + 1)).astype(mx.float16)
-        q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(t + 50)).astype(mx.float16)
-        mx.eval(kn, q)
-        kernels = isinstance(cache, OIQKVCache)
-        total, graph = trace.step_dispatches(lambda: (cache.update_and_fetch(kn, kn), trace.arrays_of(cache)),
-                                             lambda fetched: attend(q, cache, fetched), kernels=kernels)
-        out.append((total, dict(graph)))
-    return out
-
-
 def test_attention_sinks_cost_three_dispatches():
     """A model with attention sinks (per-head logits, as gpt-oss) on the Metal path: the sink
     logit follows the key centering (minus scale * q . mean): one cast of the queries, one
@@ -177,15 +156,20 @@ def test_attention_sinks_cost_three_dispatches():
     from oiq_mlx.cache.attention import oiq_attention
 
     sinks = mx.random.normal((8,), key=mx.random.key(99))
-    mx.eval(sinks)
-    make = lambda: OIQKVCache(OIQConfig.preset("4bit"))  # noqa: E731
-    without = _sink_step_counts(make, lambda q, c, f: oiq_attention(q, c, 0.125, None, None))
-    with_sinks = _sink_step_counts(make, lambda q, c, f: oiq_attention(q, c, 0.125, None, sinks))
-    assert [t for t, _ in without] == [4] * 3
-    assert [t for t, _ in with_sinks] == [7] * 3, with_sinks
-    assert "Contiguous" not in with_sinks[0][1] and with_sinks[0][1]["Matmul"] == 1
     sinks16 = sinks.astype(mx.float16)
-    mx.eval(sinks16)
-    fp = _sink_step_counts(KVCache, lambda q, c, f: mx.fast.scaled_dot_product_attention(
-        q, f[0], f[1], scale=0.125, sinks=sinks16))
-    assert [t for t, _ in fp] == [7] * 3, fp
+    mx.eval(sinks, sinks16)
+
+    def counts(make, attend, kernels):
+        """Each of 3 decode steps after a 300-token prompt (8 query / 2 KV heads, d = 64, float16)."""
+        return trace.decode_dispatches(make, attend, context=300, n_q_heads=8, n_kv_heads=2, head_dim=64, steps=3,
+                                       dtype=mx.float16, kernels=kernels)
+
+    make = lambda: OIQKVCache(OIQConfig.preset("4bit"))  # noqa: E731
+    without = counts(make, lambda c, f, q: oiq_attention(q, c, 0.125, None, None), kernels=True)
+    with_sinks = counts(make, lambda c, f, q: oiq_attention(q, c, 0.125, None, sinks), kernels=True)
+    assert without["per_step"] == [4] * 3, without
+    assert with_sinks["per_step"] == [7] * 3, with_sinks
+    assert "Contiguous" not in with_sinks["breakdown"] and with_sinks["breakdown"]["Matmul"] == 1
+    fp = counts(KVCache, lambda c, f, q: mx.fast.scaled_dot_product_attention(q, f[0], f[1], scale=0.125,
+                                                                                sinks=sinks16), kernels=False)
+    assert fp["per_step"] == [7] * 3, fp
