@@ -289,7 +289,7 @@ def check_decode(preset: str, d: int, context: int, B: int, dtype, n_kv: int, re
     against the reference path and the float64 truth; ``after`` "trim" (decode steps, then a trim)
     or "load" (the cache saved and loaded back)."""
     cfg = OIQConfig.preset(preset)
-    k, v = _kv((B, n_kv, context + 8, d), dtype, seed=1)
+    k, v = _kv((B, n_kv, context + 8, d), dtype, seed=1)  # "trim" writes 6 steps from context - L
     cache = prompt_cache(cfg, k[:, :, : context - L], v[:, :, : context - L], steps=1)
     if after == "trim":
         for t in range(context - L, context - L + 6):
