@@ -2,34 +2,54 @@
 // slice of the cache, reading packed K/V (dequantized in registers) and the
 // full-precision sink/recent segments in one loop.
 //
-// Grid (32, P, B*H_kv*NQC), threadgroup (32, TG_PARTS, 1): one simdgroup per
+// Grid (32, P, B*H_kv*NQC), threadgroup (32, TGP, 1): one simdgroup per
 // (KV head, chunk of QB query rows, slice of keys).  Template: FT (dtype of
 // the queries and of the full-precision segments), D (key and value head
-// dimension), QB.  Lane l owns values [l*E, (l+1)*E) of every key and value;
-// each key is read once for all QB query rows (the rep query heads sharing
-// the KV head times the L positions).  Positions [0, S) are sinks, [S, S+NQ)
-// packed, [S+NQ, S+NQ+NR) recent.
+// dimension), QB, TGP (slices per threadgroup; P is a multiple of it).  Lane l
+// owns values [l*E, (l+1)*E) of every key and value; each key is read once
+// for all QB query rows (the rep query heads sharing the KV head times the L
+// positions).  Positions [0, S) are sinks, [S, S+NQ) packed, [S+NQ, S+NQ+NR)
+// recent.
 //
 // Two domains (DESIGN.md section 5): the sink and recent rows are stored as
 // the model gave them (minus the key mean) and are scored with q * scale; the
 // packed rows are r((k - m) / lam) and are scored with r(q * scale * lam),
-// rotated here in registers.  A slice never mixes segments (the first P_S
-// slices cover the sinks, the next P_Q the packed rows, the rest the recent
-// rows), so each slice's partial output is in one domain and the merge
-// un-rotates only the packed slices' share.
+// rotated here in registers.  A slice never mixes segments: the first P_S
+// slices cover the sinks, the next P_R the recent rows, empty slices pad them
+// to P_F (P_S + P_R rounded up to TGP), and the slices from P_F on the packed
+// rows (the last ones empty when P - P_F exceeds what they need).  A
+// threadgroup's TGP slices are thus in one domain, and it writes one partial
+// output: its slices merged by log-sum-exp in threadgroup memory, as the merge
+// kernel merges the threadgroups' (TGP times fewer partials written and read
+// back); the merge un-rotates only the packed threadgroups' share.
 // params: n_sink, n_quant, n_recent, n_kv, rep, L, keys_per_part, n_qchunks,
 // k_bits, v_bits, group size, mask mode (0 none, 1 causal, 2 keep where the
-// float mask is nonzero, 3 additive), P_S, P_Q, has key scales, rotated keys;
-// all uniform over the launch.
+// float mask is nonzero, 3 additive), P_S, P_R, has key scales, rotated keys,
+// has ranges, has key mean shift; all uniform over the launch.
+// k_mean (with has key mean shift): (B, n_kv, 1, D) float32 key mean; the
+// first slice of each program writes part_shift = scale * q . k_mean per query
+// row (what centering the keys took from every score: the merge moves an
+// attention-sink logit by as much).
+// ranges (with has ranges): (B, 3) int32, what sequence b holds of a batch
+// stacked on the padded lengths: its packed rows [0, ranges[b][0]) and its
+// recent rows [ranges[b][1], ranges[b][2]) (positions within each segment); a
+// slice reads only those rows, so a sequence shorter than the longest reads
+// its own length (the padding is never read, and needs no mask).
 // q is read through its strides (a transposed view is fine).  kc, ks, vc, vs,
-// lam and mask may be bound `constant` (fewer than 8 elements: a placeholder,
+// lam, mask, ranges and k_mean may be bound `constant` (fewer than 8 elements: a placeholder,
 // or one packed vector at low bits): they are only indexed, or passed to the
 // pointer-type template oiq_unpack.
-// Outputs per (z, part, query row): part_o (D floats), part_ml (max, sum).
+// Outputs per (z, threadgroup of slices, query row): part_o (D floats),
+// part_ml (max, sum); per (z, query row): part_shift (written only with has
+// key mean shift).
 constexpr int E = D / 32;
 constexpr int KF = 2;
 
+threadgroup float tg_o[TGP * QB * D];
+threadgroup float tg_ml[TGP * QB * 2];
+
 uint lane = thread_position_in_threadgroup.x;
+int sg = int(thread_position_in_threadgroup.y);
 int part = int(thread_position_in_grid.y);
 int z = int(thread_position_in_grid.z);
 int n_parts = int(threads_per_grid.y);
@@ -47,7 +67,7 @@ uint vbits = uint(params[9]);
 int group = params[10];
 int mask_mode = params[11];
 int p_sink = params[12];
-int p_quant = params[13];
+int p_recent = params[13];
 bool has_lam = params[14] != 0;
 bool k_rotated = params[15] != 0;
 float khalf = float((1 << kbits) - 1) / 2.0f;
@@ -60,12 +80,21 @@ int bh = z / nqc;
 int b = bh / n_kv;
 int kvh = bh % n_kv;
 
-// this slice's segment and positions
-int seg = part < p_sink ? 0 : (part < p_sink + p_quant ? 1 : 2);
+// this slice's segment and positions (t0 >= t1: an empty slice, padding)
+int p_fp = (p_sink + p_recent + TGP - 1) / TGP * TGP;
+int seg = part < p_sink ? 0 : (part < p_fp ? 2 : 1);
 int seg_start = seg == 0 ? 0 : (seg == 1 ? n_sink : n_sink + n_quant);
 int seg_end = seg == 0 ? n_sink : (seg == 1 ? n_sink + n_quant : T);
-int t0 = seg_start + (part - (seg == 0 ? 0 : (seg == 1 ? p_sink : p_sink + p_quant))) * kpp;
+int t0 = seg_start + (part - (seg == 0 ? 0 : (seg == 1 ? p_fp : p_sink))) * kpp;
 int t1 = min(seg_end, t0 + kpp);
+if (params[16] != 0) {
+  if (seg == 1) {
+    t1 = min(t1, n_sink + ranges[b * 3]);
+  } else if (seg == 2) {
+    t0 = max(t0, n_sink + n_quant + ranges[b * 3 + 1]);
+    t1 = min(t1, n_sink + n_quant + ranges[b * 3 + 2]);
+  }
+}
 
 float qv[QB][E];
 float qsum[QB];
@@ -81,6 +110,17 @@ for (int i = 0; i < QB; i++) {
   const device FT* qr = q + b * q_strides[0] + qhead[i] * q_strides[1] + qpos[i] * q_strides[2] + lane * E;
   for (int e = 0; e < E; e++) {
     qv[i][e] = qvalid[i] ? float(qr[e]) * scale : 0.0f;
+  }
+  if (part == 0 && params[17] != 0) {
+    // part is uniform over the simdgroup, so every lane takes the simd_sum
+    float acc = 0.0f;
+    for (int e = 0; e < E; e++) {
+      acc += qv[i][e] * k_mean[(b * n_kv + kvh) * D + lane * E + e];
+    }
+    acc = simd_sum(acc);
+    if (lane == 0) {
+      part_shift[z * QB + i] = acc;
+    }
   }
   if (seg == 1) {
     // the packed keys' domain: r(q * scale * lam), as attention._prepare_queries + hadamard
@@ -218,13 +258,47 @@ for (int t = t0; t < t1; t += KF) {
   }
 }
 
+// The threadgroup's slices merged into one partial, as decode_merge.metal merges
+// partials: precise exps, one per slice and query row; a slice whose max is
+// -inf (empty, or every key masked) adds nothing.
 for (int i = 0; i < QB; i++) {
-  size_t slot = (size_t(z) * n_parts + part) * QB + i;
   for (int e = 0; e < E; e++) {
-    part_o[slot * D + lane * E + e] = o[i][e];
+    tg_o[(sg * QB + i) * D + lane * E + e] = o[i][e];
   }
   if (lane == 0) {
-    part_ml[slot * 2] = m[i];
-    part_ml[slot * 2 + 1] = lsum[i];
+    tg_ml[(sg * QB + i) * 2] = m[i];
+    tg_ml[(sg * QB + i) * 2 + 1] = lsum[i];
+  }
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (sg == 0) {
+  for (int i = 0; i < QB; i++) {
+    float mm = -INFINITY;
+    for (int s2 = 0; s2 < TGP; s2++) {
+      mm = max(mm, tg_ml[(s2 * QB + i) * 2]);
+    }
+    float ls = 0.0f;
+    float acc[E];
+    for (int e = 0; e < E; e++) {
+      acc[e] = 0.0f;
+    }
+    for (int s2 = 0; s2 < TGP; s2++) {
+      float ms = tg_ml[(s2 * QB + i) * 2];
+      if (ms > -INFINITY) {
+        float f = exp(ms - mm);
+        ls += tg_ml[(s2 * QB + i) * 2 + 1] * f;
+        for (int e = 0; e < E; e++) {
+          acc[e] += tg_o[(s2 * QB + i) * D + lane * E + e] * f;
+        }
+      }
+    }
+    size_t slot = (size_t(z) * (n_parts / TGP) + part / TGP) * QB + i;
+    for (int e = 0; e < E; e++) {
+      part_o[slot * D + lane * E + e] = acc[e];
+    }
+    if (lane == 0) {
+      part_ml[slot * 2] = mm;
+      part_ml[slot * 2 + 1] = ls;
+    }
   }
 }

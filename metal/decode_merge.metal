@@ -8,9 +8,13 @@
 // n_parts, n_qchunks, QB (query rows per chunk of pass 1), has sinks, has
 // mean, unrotate, P_S, P_Q (slices
 // [P_S, P_S + P_Q) are the packed segment's, in the rotated domain; the others
-// are un-rotated); uniform over the launch.
-// part_ml, sinks, mean and signs may be bound `constant` (fewer than 8
-// elements); they are only indexed.  mean: the value mean, un-rotated
+// are un-rotated), sinks per head (else per query row), has key mean shift;
+// uniform over the launch.
+// Sinks: logits per query head (n_q) or per query row (B, H_q, L), float32;
+// with the key mean shift, each query row's logit less part_shift (pass 1's
+// scale * q . key mean).
+// part_ml, sinks, mean, signs and part_shift may be bound `constant` (fewer
+// than 8 elements); they are only indexed.  mean: the value mean, un-rotated
 // (B, H_kv, D).  Output: out (B, H_q, L, D) OutT, accumulated in float32 and
 // rounded once at the store (the reference's float32 result .astype(OutT)).
 // The exps here stay precise: P + 1 per query row (not per key), and the part
@@ -44,7 +48,13 @@ float mx_ = -INFINITY;
 for (int p = 0; p < n_parts; p++) {
   mx_ = max(mx_, part_ml[((size_t(z) * n_parts + p) * qb + i) * 2]);
 }
-float sink = has_sinks ? sinks[g] : -INFINITY;  // sinks: (B, H_q, L) logits
+float sink = -INFINITY;
+if (has_sinks) {
+  sink = sinks[params[11] != 0 ? h : g];
+  if (params[12] != 0) {
+    sink -= part_shift[z * qb + i];
+  }
+}
 mx_ = max(mx_, sink);
 float lsum = 0.0f;
 float acc[E];

@@ -16,10 +16,12 @@ primitive moves is the bytes it reads plus the bytes it writes:
   of the old rows) count in full;
 * a gather or dynamic slice (``READS_WHAT_IT_RETURNS``) reads the rows it returns (and its
   indices), not the whole source;
-* a recorded kernel call reads every input array it is passed and writes its outputs.  A
-  kernel given a whole buffer but reading only its first ``length`` rows would count the buffer
-  it is passed (an upper bound); the OIQ decode kernels are passed views of the rows in use
-  (the packed codes and scales, the sinks, the window), so what they read is counted exactly;
+* a recorded kernel call reads every input array it is passed and writes its outputs.  The
+  OIQ decode kernels are passed views of the rows in use (the packed codes and scales, the
+  sinks, the window), so what they read is counted exactly; given a batch stacked on padded
+  lengths, the decode kernel reads each sequence's own rows (its ``ranges`` input), and counts
+  those (``kernels.decode_attention.attention_bytes_read``; that it reads no others,
+  ``tests/cache/test_batch.py`` checks on the emulator with the padding poisoned);
 * mlx's fused attention ``mx.fast.scaled_dot_product_attention`` (mlx-lm's full-precision
   caches) is recorded as one kernel, as it runs on a Mac: it reads the queries, keys, values
   and mask once and writes the output.  The partials of its two-pass variant, which MLX picks
@@ -156,8 +158,10 @@ def _elementwise_chains(nodes, escaping: set, under: dict) -> list[list[int]]:
 
 
 def call_bytes(call: trace.KernelCall) -> int:
-    """What a recorded kernel call moves: its input arrays read, its outputs written."""
-    return sum(x.nbytes for x in call.inputs) + sum(x.nbytes for x in call.outputs)
+    """What a recorded kernel call moves: its input arrays read (or what it says it reads of
+    them), its outputs written."""
+    reads = sum(x.nbytes for x in call.inputs) if call.reads is None else call.reads
+    return reads + sum(x.nbytes for x in call.outputs)
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..kernels import dispatch
+from ..kernels import decode_attention, dispatch
 from ..kernels import launcher
 from ..kernels import selftest
 
@@ -48,16 +48,18 @@ def launching_primitives(outputs) -> Counter:
 
 
 # one recorded kernel call: its input arrays and the (zero) arrays it returned in place of its outputs
-KernelCall = namedtuple("KernelCall", ["inputs", "outputs"])
+# reads: the bytes the kernel reads of its inputs where it says so (the decode kernel given
+# per-sequence row ranges: decode_attention.attention_bytes_read), else None (all of them)
+KernelCall = namedtuple("KernelCall", ["inputs", "outputs", "reads"], defaults=[None])
 
 
-def recorded_call(calls: list, inputs, output_shapes, output_dtypes) -> list:
+def recorded_call(calls: list, inputs, output_shapes, output_dtypes, reads: int | None = None) -> list:
     """Append a :class:`KernelCall` to ``calls`` and return its outputs: evaluated zeros of
     ``output_shapes`` / ``output_dtypes``, so that nothing downstream depends on the inputs'
     graph through them."""
     outs = [mx.zeros(s, t) for s, t in zip(output_shapes, output_dtypes)]
     mx.eval(outs)
-    calls.append(KernelCall([x for x in inputs if isinstance(x, mx.array)], outs))
+    calls.append(KernelCall([x for x in inputs if isinstance(x, mx.array)], outs, reads))
     return outs
 
 
@@ -68,7 +70,10 @@ def metal_kernels_selected(calls: list):
     returns evaluated zeros of its output shapes."""
 
     def counting(kernel, **kwargs):
-        return recorded_call(calls, kwargs["inputs"], kwargs["output_shapes"], kwargs["output_dtypes"])
+        reads = None
+        if decode_attention.is_attention_kernel(kernel):
+            reads = decode_attention.attention_bytes_read(kwargs["inputs"])
+        return recorded_call(calls, kwargs["inputs"], kwargs["output_shapes"], kwargs["output_dtypes"], reads)
 
     real_launch, real_enabled = launcher.launch, dispatch.kernels_enabled
     launcher.launch, dispatch.kernels_enabled = counting, lambda: True

@@ -63,13 +63,6 @@ def _affine(scales, half):
     return s, s * half
 
 
-@mx.compile
-def _shifted_sinks(sinks, shift, scale):
-    """Per query row sink logits ``(B, n_q, L)`` float32: ``sinks`` less the scaled query-mean
-    products ``shift`` (what centering the keys took from every score)."""
-    return sinks.astype(mx.float32).reshape(1, -1, 1) - scale * shift
-
-
 @functools.lru_cache(maxsize=None)
 def _combine(dtype):
     """Output: the sinks' and the window's shares + the un-rotated packed share
@@ -162,7 +155,7 @@ def _mask_ok(mask, shape) -> bool:
 
 
 def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks, *, segments=None,
-                            out_dtype=mx.float32):
+                            ranges=None, out_dtype=mx.float32):
     """Fused decode attention over ``cache`` when a kernel serves this call, else None
     (the caller runs the reference path).
 
@@ -171,6 +164,7 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
         queries: ``(B, n_q, L, head_dim)`` as the model gives them; L <= 8.
         scale, mask, sinks: as for ``attention.oiq_attention``.
         segments: what to attend to (default ``cache.attention_segments()``).
+        ranges: each sequence's rows of a stacked batch (``decode_attention``'s ``ranges``), or None.
         out_dtype: the dtype the merge kernel writes (float16, bfloat16, float32; another
             declines the kernel).
 
@@ -201,16 +195,14 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
     q = queries if queries.dtype == cache.dtype else queries.astype(cache.dtype)
     if dq != k.dim:
         q = mx.pad(q, [(0, 0)] * 3 + [(0, k.dim - dq)])
-    if sinks is not None and k.mean is not None:
-        # centered keys shift every score by -q.mean; the sink logit must follow: one cast of the
-        # queries, one matmul against the mean, one fused pass (three dispatches)
-        shift = q.astype(mx.float32).reshape(B, n_kv, n_q // n_kv * L, k.dim) @ mx.swapaxes(k.mean, -1, -2)
-        sinks = _shifted_sinks(sinks, shift.reshape(B, n_q, L), mx.array(scale, mx.float32))
+    # centered keys shift every score by -scale * q . mean; a sink logit follows them, which the
+    # kernels compute themselves (k_mean): no dispatch of its own
     return decode_attention(
         q, scale=scale, segments=segments,
         k_bits=k.bits, v_bits=v.bits, group_size=cfg.group_size, k_lam=k.lam,
         k_signs=k.signs if k.rotated else None, mask=mask, sinks=sinks, v_mean=v.mean,
-        v_signs=v.signs if v.rotated else None, out_dtype=out_dtype,
+        v_signs=v.signs if v.rotated else None, ranges=ranges, k_mean=k.mean if sinks is not None else None,
+        out_dtype=out_dtype,
     )
 
 
@@ -369,9 +361,10 @@ def _stacked_attention(queries: mx.array, stacked, scale: float, sinks) -> mx.ar
     v = stacked.v
     if sinks is not None and v.mean is not None:
         raise ValueError("attention sinks cannot be combined with center_values=True")
-    segments, mask = stacked.attention_segments()
+    segments, mask, ranges = stacked.attention_segments()
     stacked.release()
-    fused = decode_attention_kernel(stacked, queries, scale, mask, sinks, segments=segments,
+    # the kernel reads each sequence's own rows (ranges), the reference path masks the others
+    fused = decode_attention_kernel(stacked, queries, scale, None, sinks, segments=segments, ranges=ranges,
                                     out_dtype=queries.dtype)
     if fused is not None:
         return fused[..., : v.head_dim]

@@ -40,11 +40,12 @@ def grow(buf, used: int, needed: int, step: int, shape_tail, dtype, lead, limit:
     cap = -(-needed // step) * step
     if limit is not None:
         cap = min(cap, limit)
-    new = mx.zeros((*lead, cap, *shape_tail), dtype)
-    if buf is not None and used:
-        rows = (slice(None),) * axis + (slice(0, used),)
-        new[rows] = buf[rows]
-    return new
+    if buf is None or not used:
+        return mx.zeros((*lead, cap, *shape_tail), dtype)
+    # the kept rows copied once and only the new rows zero-filled (not a zero fill of the
+    # whole capacity, then a copy over it)
+    kept = buf[(slice(None),) * axis + (slice(0, used),)]
+    return mx.concatenate([kept, mx.zeros((*lead, cap - used, *shape_tail), dtype)], axis=axis)
 
 
 def write_rows(buf: mx.array, start: int, rows: mx.array, axis: int = 2) -> mx.array:

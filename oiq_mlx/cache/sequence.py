@@ -55,6 +55,17 @@ from .side import SideStorage
 _STACK_MAX_ROWS = 64
 
 
+def _kept_rows(buf, drop: int, used: int, cap: int, shape, dtype) -> mx.array:
+    """A new buffer of ``shape`` (``cap`` rows on axis -2) holding rows ``[drop, used)`` of ``buf``
+    first: those rows copied once and only the rest zero-filled."""
+    if buf is None or used <= drop:
+        return mx.zeros(shape, dtype)
+    kept = buf[..., drop:used, :]
+    if used - drop == cap:
+        return mx.array(kept)
+    return mx.concatenate([kept, mx.zeros((*shape[:-2], cap - (used - drop), shape[-1]), dtype)], axis=-2)
+
+
 class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
     """mlx-lm cache contract (``update_and_fetch``, ``offset``, ``state``,
     ``from_state``, ``trim``, ``make_mask``, ``nbytes``...) over OIQ storage.
@@ -65,10 +76,16 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
     """
 
     # the packed buffers' capacity is a multiple of step rows, one block (flush_block): rows
-    # are packed in whole blocks, so capacity is what is packed, plus one block only on the
-    # step between growing and packing (DESIGN.md section 5); mlx-lm's KVCache uses 256,
-    # which at 72 bytes per packed row would be up to 18 KB per KV head and layer unused
+    # are packed in whole blocks (DESIGN.md section 5); mlx-lm's KVCache grows by 256, which
+    # at 72 bytes per packed row would be up to 18 KB per KV head and layer unused
     step = 16
+    # the packed buffers grow by step rows, or, once they hold growth_from rows, by
+    # 1/growth_fraction of them (rounded to whole steps): a growth copies the held rows, so
+    # growing by 16 rows would copy every packed row once per 16 tokens (3/16 of a step's ideal
+    # bytes); this costs about 64 rows' bytes per step amortized and leaves at most 1/32 of the
+    # rows unused (below growth_from rows, 16-row steps keep a short cache tight)
+    growth_fraction = 32
+    growth_from = 1024
     # the full-precision buffer's capacity is a multiple of recent_step rows: at most
     # window + reserve + one block once a call has ended (DESIGN.md section 5)
     recent_step = 16
@@ -239,17 +256,11 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         drop, used = keep_from - self.recent_start, self.offset - self.recent_start
         cap = -(-(end - keep_from) // self.recent_step) * self.recent_step
         if self.k.dim == self.v.dim:
-            new = mx.zeros((2, *bh, cap, self.k.dim), self.dtype)
-            if self._kv_recent is not None and used > drop:
-                new = write_rows(new, 0, self._kv_recent[:, :, :, drop:used], axis=3)
-            self._kv_recent = new
-            self.k.recent, self.v.recent = halves(new)
+            self._kv_recent = _kept_rows(self._kv_recent, drop, used, cap, (2, *bh, cap, self.k.dim), self.dtype)
+            self.k.recent, self.v.recent = halves(self._kv_recent)
         else:
             for side in (self.k, self.v):
-                new = mx.zeros((*bh, cap, side.dim), self.dtype)
-                if side.recent is not None and used > drop:
-                    new = write_rows(new, 0, side.recent[:, :, drop:used])
-                side.recent = new
+                side.recent = _kept_rows(side.recent, drop, used, cap, (*bh, cap, side.dim), self.dtype)
         self.recent_start = keep_from
 
     def packed_end(self, offset: int) -> int:
@@ -366,18 +377,26 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
     def _packed_room(self, used: int, needed: int, bh):
         """Make the packed buffers hold ``needed`` rows, keeping their first ``used``."""
         layout = self.packed_layout()
+        step = self.growth_step(used)
         if self._pairs_packed:
             old = self._kv_rows
-            self._kv_rows = grow(old, used, needed, self.step, (layout[0][1],), mx.uint32, (2, *bh))
+            self._kv_rows = grow(old, used, needed, step, (layout[0][1],), mx.uint32, (2, *bh))
             if self._kv_rows is not old:
                 self.k.rows, self.v.rows = halves(self._kv_rows)
                 self._views = None
             return
         for side, (_, width) in zip((self.k, self.v), layout):
             old = side.rows
-            side.rows = grow(old, used, needed, self.step, (width,), mx.uint32, bh)
+            side.rows = grow(old, used, needed, step, (width,), mx.uint32, bh)
             if side.rows is not old:
                 self._views = None
+
+    def growth_step(self, used: int) -> int:
+        """Rows a packed buffer holding ``used`` rows grows by: :attr:`step`, or from
+        :attr:`growth_from` rows on ``used / growth_fraction`` rounded up to whole steps."""
+        if used < self.growth_from:
+            return self.step
+        return max(self.step, -(-(used // self.growth_fraction) // self.step) * self.step)
 
     def _grow_before_packing(self, bh):
         """On the step before one that packs a block, grow the packed buffer if that block

@@ -33,6 +33,7 @@ import numpy as np
 
 from .common import SELECT_FIRST, ZERO, HostMemo, center_pair, halves, pad_last
 from ..core.codec import split_rows
+from ..kernels import dispatch
 
 # spare rows of each sequence's window in the stacked buffer, so that compacting it (one
 # gather over the batch) is needed about once per block rather than every step
@@ -42,6 +43,13 @@ PER_SEQUENCE = ("caches", "offsets", "q_end", "recent_start")
 # every layer of a step writes at and masks by the same positions (see HostMemo)
 _INDEX = HostMemo()
 _MASK = HostMemo()
+_RANGES = HostMemo()
+_PACK_INDEX = HostMemo()
+
+
+def _estimates_now(c) -> bool:
+    """Does ``c`` (``positional``) estimate its statistics on the block it packs now?"""
+    return c.config.positional and (c.k.needs_statistics or c.v.needs_statistics)
 
 
 def _round_up(n: int, step: int) -> int:
@@ -122,7 +130,7 @@ class StackedDecode:
         held = [c.offset - c.recent_start for c in caches]
         packed = [c.q_end - s for c in caches]
         r_cap = _round_up(max(held) + RECENT_SPARE, first.recent_step)
-        p_cap = _round_up(max(packed), first.step)
+        p_cap = _round_up(max(packed), first.growth_step(max(packed)))
         sinks = mx.concatenate(
             [mx.stack([c.k.sink[:, :, :s], c.v.sink[:, :, :s]]) for c in caches], axis=1)
         recent = mx.concatenate(
@@ -213,8 +221,14 @@ class StackedDecode:
         sk, sv = halves(self.sinks)
         self.k = _SideView([c.k for c in self.caches], sk)
         self.v = _SideView([c.v for c in self.caches], sv)
+        # what packing several sequences in one pass reads: both sides' key scales (ones for a
+        # side without) and signs, stacked on a new first axis as one cache's pass stacks them
+        k, v = self.k, self.v
+        self._lam2 = None if k.lam is None and v.lam is None else mx.stack(
+            [mx.ones_like(k.lam if v.lam is None else v.lam) if x.lam is None else x.lam for x in (k, v)])
+        self._signs2 = mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1) if k.signs.shape == v.signs.shape else None
         # the stacked statistics are built once per batch membership, not in every step's graph
-        mx.eval([x for side in (self.k, self.v) for x in (side.mean, side.lam) if x is not None])
+        mx.eval([x for x in (k.mean, k.lam, v.mean, v.lam, self._lam2, self._signs2) if x is not None])
         self._segments = None
 
     @property
@@ -248,12 +262,94 @@ class StackedDecode:
                                         ZERO if vm is None else vm, SELECT_FIRST)
         idx = _INDEX.get(tuple(pos), lambda: mx.array(np.array(pos, np.int32).reshape(1, B, 1, 1, 1)))
         self.recent = mx.put_along_axis(self.recent, idx, both, axis=3)
+        due = []
         for i, c in enumerate(self.caches):
             self.offsets[i] = c.offset = self.offsets[i] + 1
             target = c.packed_end(c.offset)
             if target > self.q_end[i]:
-                self._pack(i, c, target)
+                due.append((i, c, target))
+        self._pack_due(due)
+        self._grow_ahead(bool(due))
         self._segments = None
+
+    def _grow_ahead(self, packed_now: bool):
+        """Grow the packed buffers before a packing step needs it: on a step that packs
+        nothing, when a sequence will pack past their capacity within a block of steps; on any
+        step, when one will at the next step.  So a packing step grows nothing unless every step
+        of a block packs (16 sequences or more in distinct phases)."""
+        s, cap = self.config.sink_tokens, self.rows[0].shape[3]
+        first = self.caches[0]
+        nxt = max(c.packed_end(o + 1) for c, o in zip(self.caches, self.offsets)) - s
+        soon = max(c.packed_end(o + c.block) for c, o in zip(self.caches, self.offsets)) - s
+        if nxt > cap or (not packed_now and soon > cap):
+            self.rows = tuple(_pad_rows(r, _round_up(soon, first.growth_step(cap))) for r in self.rows)
+
+    def _pack_due(self, due):
+        """Pack the block of each sequence in ``due`` (``(i, cache, target)``): the sequences
+        that pack a block of one size together, in one quantize pass (one per side for
+        ``4bit``'s two widths) between one gather of their rows and one scatter of the result;
+        a sequence alone, or one that estimates its statistics now (``positional``), by itself."""
+        together = [x for x in due if not _estimates_now(x[1])]
+        if len(together) < 2 or len({t - self.q_end[i] for i, _, t in together}) != 1:
+            together = []
+        for x in due:
+            if x not in together:
+                self._pack(*x)
+        if together:
+            self._pack_together(together)
+
+    def _pack_together(self, due):
+        """Sequences ``due`` pack a block of the same size each: rows ``[q_end, target)`` of each
+        gathered from the stacked window (one gather), quantized in one pass per packed buffer
+        with each sequence's key scales (the pass works per row: the codes are those each
+        sequence's own pass gives), and scattered into the packed rows (one write per buffer)."""
+        cfg, s = self.config, self.config.sink_tokens
+        idx = [i for i, _, _ in due]
+        n = due[0][2] - self.q_end[idx[0]]
+        qa = [self.q_end[i] - s for i in idx]
+        first = due[0][1]
+        if max(qa) + n > self.rows[0].shape[3]:
+            cap = _round_up(max(qa) + n, first.growth_step(self.rows[0].shape[3]))
+            self.rows = tuple(_pad_rows(r, cap) for r in self.rows)
+        _, B, H, R, d = self.recent.shape
+        P = self.rows[0].shape[3]
+        key = (B, H, R, P, tuple(idx), n, tuple(self.q_end[i] - self.recent_start[i] for i in idx), tuple(qa))
+
+        def build():
+            blk = np.arange(n)[None, None, :]
+            seq, head = np.array(idx)[:, None, None], np.arange(H)[None, :, None]
+            src = (seq * H + head) * R + np.array([self.q_end[i] - self.recent_start[i] for i in idx])[:, None, None]
+            dst = (seq * H + head) * P + np.array(qa)[:, None, None]
+            # flat row indices over both sides (keys then values): one gather, one scatter per buffer
+            side = np.arange(2)[:, None]
+            src, dst = (src + blk).reshape(1, -1), (dst + blk).reshape(1, -1)
+            return (mx.array((side * B * H * R + src).reshape(-1).astype(np.int32)),
+                    [mx.array((side[:lead] * B * H * P + dst).reshape(-1).astype(np.int32)) for lead in (1, 2)],
+                    None if len(idx) == B else mx.array(np.array(idx, np.int32)))
+
+        src, dst, subset = _PACK_INDEX.get(key, build)
+        x = mx.take(self.recent.reshape(2 * B * H * R, d), src, axis=0).reshape(2, len(idx), H, n, d)
+        lam = None if self._lam2 is None else (self._lam2 if subset is None else mx.take(self._lam2, subset, axis=1))
+        k, v = first.k, first.v
+        rotate = cfg.rotation != "none"
+        if len(self.rows) == 1:
+            blocks = [dispatch.quantize_rows(x, k.bits, cfg.group_size, clip=k.clip, lam=lam, signs=self._signs2,
+                                             rotate=rotate, joined=True, align=cfg.align_scales)]
+        else:  # views of each side (an integer index would gather)
+            lams = (None, None) if lam is None else halves(lam)
+            blocks = [dispatch.quantize_rows(y, side.bits, cfg.group_size, clip=side.clip,
+                                             lam=None if side.lam is None else side_lam, signs=side.signs,
+                                             rotate=rotate, joined=True, align=cfg.align_scales)[None]
+                      for y, side, side_lam in zip(halves(x), (k, v), lams)]
+        rows = []
+        for r, b in zip(self.rows, blocks):
+            lead, width = r.shape[0], r.shape[-1]
+            flat = r.reshape(lead * B * H * P, width)
+            flat[dst[lead - 1]] = b.reshape(-1, width)
+            rows.append(flat.reshape(r.shape))
+        self.rows = tuple(rows)
+        for i, c, target in due:
+            self.q_end[i] = c.q_end = target
 
     def _compact(self):
         """Drop each sequence's full-precision rows older than its trim reserve (one
@@ -275,8 +371,8 @@ class StackedDecode:
         a, b = self.q_end[i] - self.recent_start[i], target - self.recent_start[i]
         qa, qb = self.q_end[i] - s, target - s
         if qb > self.rows[0].shape[3]:
-            self.rows = tuple(_pad_rows(r, _round_up(qb, c.step)) for r in self.rows)
-        if c.config.positional and (c.k.needs_statistics or c.v.needs_statistics):
+            self.rows = tuple(_pad_rows(r, _round_up(qb, c.growth_step(self.rows[0].shape[3]))) for r in self.rows)
+        if _estimates_now(c):
             self._estimate(i, c)
         c._kv_recent = self.recent[:, i : i + 1]
         c.k.recent, c.v.recent = halves(c._kv_recent)
@@ -305,9 +401,11 @@ class StackedDecode:
     # -- what attention reads -------------------------------------------------
 
     def attention_segments(self):
-        """``(sink_k, sink_v, quant, recent_k, recent_v)`` over every sequence and the additive
-        mask ``(B, 1, 1, T)`` (0: attend, -inf: not) that shows each its own rows: the sinks, its
-        packed rows before the q_end the step found, its full-precision rows from there
+        """``(segments, mask, ranges)``: ``(sink_k, sink_v, quant, recent_k, recent_v)`` over every
+        sequence, the additive mask ``(B, 1, 1, T)`` (0: attend, -inf: not) that shows each its own
+        rows (the reference path's), and the same rows as ``(B, 3)`` int32 ranges (the decode
+        kernel's, which then reads no other row: ``decode_attention``'s ``ranges``): the sinks,
+        its packed rows before the q_end the step found, its full-precision rows from there
         on (the rows a step packs are attended exactly, as one sequence alone does;
         ``positional``: packed, before the q_end after the write)."""
         if self._segments is not None:
@@ -335,8 +433,10 @@ class StackedDecode:
         # additive float32 (0: attend, -inf: not), the dtype the decode kernel reads: no conversion
         key = (s, n_p, a0, b0, tuple(start), tuple(self.recent_start), tuple(self.offsets))
         mask = _MASK.get(key, lambda: self._mask(s, n_p, a0, b0, start))
+        ranges = _RANGES.get(key, lambda: mx.array(np.array(
+            [[q - s, q - r - a0, o - r - a0] for q, r, o in zip(start, self.recent_start, self.offsets)], np.int32)))
         self.offset = mask.shape[-1]
-        self._segments = ((sink_k, sink_v, quant, recent_k, recent_v), mask)
+        self._segments = ((sink_k, sink_v, quant, recent_k, recent_v), mask, ranges)
         return self._segments
 
     def _mask(self, s: int, n_p: int, a0: int, b0: int, start):

@@ -1,6 +1,7 @@
 """Scores, online softmax and value sums over packed and full-precision KV segments, split over the
 sequence and merged by log-sum-exp with the packed share's un-rotation fused into the merge (two
-kernels: the two dispatches of a decode step's attention, query preparation included)."""
+kernels: the two dispatches of a decode step's attention, query preparation included); pass 1
+merges the slices of each threadgroup before it writes its partials."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import functools
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from . import launcher
 from .source import build_kernel
@@ -23,8 +25,10 @@ TARGET_SIMDGROUPS = 1024  # ~25 per core on a 40-core M3/M4 Max, 128 per core on
 # pass 1's partial outputs (written, then read by the merge) at most 1/PARTIAL_TRAFFIC_SHARE of the
 # key/value bytes a slice reads
 PARTIAL_TRAFFIC_SHARE = 8
-MAX_PARTS = 128  # slices per query row the merge reads serially (one simdgroup per row)
+MAX_PARTS = 128  # slices per query row (their threadgroups' partials the merge reads serially)
 OUT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)  # the merge's output dtypes (the queries')
+# slices per threadgroup of pass 1, which merges them into one partial output (TGP): the partials
+# written and read back are 1/TGP of the slices
 PARTS_PER_THREADGROUP = 4
 ROWS_PER_THREADGROUP = 4
 _MASK_NONE, _MASK_CAUSAL, _MASK_BOOL, _MASK_ADD = 0, 1, 2, 3
@@ -43,13 +47,36 @@ def query_rows_per_chunk(rows: int, d: int) -> int:
     return min(max_query_rows(d), 1 << max(0, rows - 1).bit_length())
 
 
+ATTENTION_INPUTS = ("q", "scale", "lam", "k_signs", "rot_scale", "sk", "sv", "kc", "ks", "vc", "vs", "rk", "rv",
+                    "mask", "ranges", "k_mean", "params")
+
+
 def _attention_kernel():
-    return build_kernel(
-        "oiq_decode_attention", "decode_attention.metal",
-        ("q", "scale", "lam", "k_signs", "rot_scale", "sk", "sv", "kc", "ks", "vc", "vs", "rk", "rv", "mask",
-         "params"),
-        ("part_o", "part_ml"), row_contiguous=False,
-    )
+    return build_kernel("oiq_decode_attention", "decode_attention.metal", ATTENTION_INPUTS,
+                        ("part_o", "part_ml", "part_shift"), row_contiguous=False)
+
+
+def is_attention_kernel(kernel) -> bool:
+    """Is ``kernel`` (what ``launcher.launch`` is handed) pass 1 of decode attention?"""
+    return kernel is _attention_kernel()
+
+
+def attention_bytes_read(inputs) -> int:
+    """Bytes pass 1 reads of its ``inputs`` (in :data:`ATTENTION_INPUTS` order): every array in
+    full, except the packed and recent rows of a launch given per-sequence ``ranges``, of which it
+    reads each sequence's own rows only (``oiq_mlx.bench.bytes`` counts a call by this)."""
+    named = dict(zip(ATTENTION_INPUTS, inputs))
+    total = sum(x.nbytes for x in inputs if isinstance(x, mx.array))
+    if not int(named["params"][16].item()):
+        return total
+    r = np.array(named["ranges"]).reshape(-1, 3)
+    for name, rows in (("kc", r[:, 0]), ("ks", r[:, 0]), ("vc", r[:, 0]), ("vs", r[:, 0]),
+                       ("rk", r[:, 2] - r[:, 1]), ("rv", r[:, 2] - r[:, 1])):
+        x = named[name]
+        if x.ndim == 4 and x.shape[0] == len(r) and x.shape[2] > 0:
+            per_row = x.nbytes // (x.shape[0] * x.shape[2])
+            total += int(per_row * np.maximum(rows, 0).sum()) - x.nbytes
+    return total
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,7 +90,7 @@ def placeholder(shape: tuple, dtype) -> mx.array:
 def _merge_kernel():
     return build_kernel(
         "oiq_decode_merge", "decode_merge.metal",
-        ("part_o", "part_ml", "sinks", "mean", "signs", "rot_scale", "params"), ("out",),
+        ("part_o", "part_ml", "sinks", "mean", "signs", "rot_scale", "part_shift", "params"), ("out",),
     )
 
 
@@ -94,6 +121,14 @@ def keys_per_part(total: int, n_programs: int, *, d: int = 128, qb: int = 1,
     return max(1, math.ceil(total / parts))
 
 
+def launch_parts(p_sink: int, p_quant: int, p_recent: int, tgp: int = PARTS_PER_THREADGROUP) -> tuple:
+    """``(P_F, P)``: the slices pass 1 launches, in threadgroups of ``tgp`` that each stay in one
+    domain: the sinks' and the recent rows' slices, padded with empty ones to ``P_F`` (a multiple
+    of ``tgp``), then the packed rows', padded to ``P`` (decode_attention.metal)."""
+    p_fp = -(-(p_sink + p_recent) // tgp) * tgp
+    return p_fp, p_fp + -(-p_quant // tgp) * tgp
+
+
 def segment_parts(kpp: int, *lengths: int) -> tuple:
     """Slices of each segment (sinks, packed, recent) at ``kpp`` keys per slice: a slice never
     straddles two segments (each slice's output is in one domain), so the total is at most
@@ -121,21 +156,22 @@ def fast_exp_relative_bound(keys_per_part: int, mean_gap: float) -> float:
     return math.expm1(2.0 ** -23 * (4 * keys_per_part + 4 * mean_gap))
 
 
-def _sink_rows(sinks: mx.array, B: int, n_q: int, L: int) -> mx.array:
-    """The merge kernel's sink logits, ``(B, n_q, L)`` float32 row-contiguous: logits per query
-    row as given (the output of a computation is), else per head broadcast in one copy."""
+def _sink_logits(sinks: mx.array, B: int, n_q: int, L: int) -> tuple:
+    """``(logits, per_head)``: the merge kernel's sink logits in float32, per query head
+    ``(n_q,)`` as given (no broadcast copy), else per query row ``(B, n_q, L)`` row-contiguous."""
     s = sinks.astype(mx.float32)
-    if s.shape == (B, n_q, L):
-        return s
+    if s.ndim == 1 and s.shape[0] == n_q:
+        return s, True
     if s.ndim == 1:
         s = s.reshape(1, n_q, 1)
-    return mx.contiguous(mx.broadcast_to(s, (B, n_q, L)))
+    return (s if s.shape == (B, n_q, L) else mx.contiguous(mx.broadcast_to(s, (B, n_q, L)))), False
 
 
 def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits: int, group_size: int,
                      k_lam: mx.array | None = None, k_signs: mx.array | None = None,
                      mask=None, sinks: mx.array | None = None, v_mean: mx.array | None = None,
-                     v_signs: mx.array | None = None, keys_per_part_: int | None = None,
+                     v_signs: mx.array | None = None, ranges: mx.array | None = None,
+                     k_mean: mx.array | None = None, keys_per_part_: int | None = None,
                      out_dtype=mx.float32) -> mx.array:
     """Attention of few queries over an OIQ cache's segments (keys and values of the same head
     dimension), query preparation included; equals the reference path of
@@ -157,9 +193,15 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
         mask: None, ``"causal"`` or an array broadcastable to ``(B, n_q, L, T)`` (bool, or
             additive).
         sinks: attention-sink logits ``(n_q,)`` or per query row ``(B, n_q, L)``, or None.
+        k_mean: ``(B, n_kv, 1, dk)`` float32 key mean the stored keys are centered by, or None:
+            with ``sinks``, each sink logit moves by ``-scale * q . k_mean`` as every score did
+            (pass 1 computes the product, the merge subtracts it).
         v_mean: ``(B, n_kv, 1, dv)`` value mean (un-rotated) to add, or None.
         v_signs: ``(dv,)`` value rotation signs (un-rotate the packed share), or None when values
             are not rotated.
+        ranges: ``(B, 3)`` int32, for a batch stacked on padded lengths: sequence ``b``'s packed
+            rows ``[0, ranges[b, 0])`` and recent rows ``[ranges[b, 1], ranges[b, 2])``; the
+            other rows are neither read nor attended (no mask needed for them).  None: all.
         keys_per_part_: slice length override (tests).
         out_dtype: the output dtype (float16, bfloat16 or float32): the merge accumulates in
             float32 and rounds once at the store.
@@ -220,35 +262,44 @@ def decode_attention(q: mx.array, *, scale: float, segments, k_bits: int, v_bits
         T, B * n_kv * nqc, d=dk, qb=qb,
         bytes_per_key=bytes_per_key(dk, k_bits, v_bits, group_size, n_quant, n_sink + n_recent, fp_dtype.size))
     p_sink, p_quant, p_recent = segment_parts(kpp, n_sink, n_quant, n_recent)
-    n_parts = p_sink + p_quant + p_recent
-    if n_parts > MAX_PARTS:
-        raise ValueError(f"{n_parts} slices of {kpp} keys: the merge reads at most {MAX_PARTS}")
+    if p_sink + p_quant + p_recent > MAX_PARTS:
+        raise ValueError(f"{p_sink + p_quant + p_recent} slices of {kpp} keys: the merge reads at most {MAX_PARTS}")
+    shift = sinks is not None and k_mean is not None
+    tgp = PARTS_PER_THREADGROUP
+    p_fp, n_parts = launch_parts(p_sink, p_quant, p_recent, tgp)
+    n_groups = n_parts // tgp
     params = mx.array([n_sink, n_quant, n_recent, n_kv, rep, L, kpp, nqc, k_bits, v_bits, group_size, mode,
-                       p_sink, p_quant, k_lam is not None, k_signs is not None], mx.int32)
-    part_o, part_ml = launcher.launch(
+                       p_sink, p_recent, k_lam is not None, k_signs is not None, ranges is not None,
+                       shift], mx.int32)
+    part_o, part_ml, part_shift = launcher.launch(
         _attention_kernel(),
         inputs=[q, float(scale),
                 placeholder((1,), mx.float32) if k_lam is None else k_lam,
                 placeholder((1,), mx.float32) if k_signs is None else k_signs,
-                1.0 / math.sqrt(dk), sink_k, sink_v, kc, ks, vc, vs, recent_k, recent_v, mask_arr, params],
-        template=[("FT", fp_dtype), ("D", dk), ("QB", qb)],
+                1.0 / math.sqrt(dk), sink_k, sink_v, kc, ks, vc, vs, recent_k, recent_v, mask_arr,
+                placeholder((1,), mx.int32) if ranges is None else ranges,
+                k_mean.astype(mx.float32) if shift else placeholder((1,), mx.float32), params],
+        template=[("FT", fp_dtype), ("D", dk), ("QB", qb), ("TGP", tgp)],
         grid=(32, n_parts, B * n_kv * nqc),
-        threadgroup=(32, min(PARTS_PER_THREADGROUP, n_parts), 1),
-        output_shapes=[(B * n_kv * nqc, n_parts, qb, dv), (B * n_kv * nqc, n_parts, qb, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        threadgroup=(32, tgp, 1),
+        output_shapes=[(B * n_kv * nqc, n_groups, qb, dv), (B * n_kv * nqc, n_groups, qb, 2),
+                       (B * n_kv * nqc, qb) if shift else (1,)],
+        output_dtypes=[mx.float32, mx.float32, mx.float32],
     )
 
     has_sinks, has_mean, unrotate = sinks is not None, v_mean is not None, v_signs is not None
+    sink_logits, per_head = _sink_logits(sinks, B, n_q, L) if has_sinks else (placeholder((1,), mx.float32), False)
     n_rows = B * n_q * L
     (out,) = launcher.launch(
         _merge_kernel(),
         inputs=[part_o, part_ml,
-                _sink_rows(sinks, B, n_q, L) if has_sinks else placeholder((1,), mx.float32),
+                sink_logits,
                 v_mean if has_mean else placeholder((1,), mx.float32),
                 v_signs if unrotate else placeholder((1,), mx.float32),
-                1.0 / math.sqrt(dv),
-                mx.array([n_kv, rep, L, n_parts, nqc, qb, has_sinks, has_mean, unrotate, p_sink, p_quant],
-                         mx.int32)],
+                1.0 / math.sqrt(dv), part_shift,
+                # the merge's "parts" are pass 1's threadgroups: [P_F / TGP, P / TGP) the packed ones
+                mx.array([n_kv, rep, L, n_groups, nqc, qb, has_sinks, has_mean, unrotate, p_fp // tgp,
+                          n_groups - p_fp // tgp, per_head, shift], mx.int32)],
         template=[("OutT", out_dtype), ("D", dv)],
         grid=(32, n_rows, 1),
         threadgroup=(32, min(ROWS_PER_THREADGROUP, n_rows), 1),

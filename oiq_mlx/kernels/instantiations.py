@@ -8,7 +8,7 @@ import mlx.core as mx
 
 from ..core import codec
 from .source import SUPPORTED_DIMS
-from .decode_attention import MAX_QUERY_ROWS, max_query_rows
+from .decode_attention import MAX_QUERY_ROWS, PARTS_PER_THREADGROUP, max_query_rows
 from .quantize import ROWS_PER_THREADGROUP
 
 # cache dtypes (fp segments, quantize input, dequantize output); Metal has no float64
@@ -19,7 +19,7 @@ MASK_MODES = {0: "none", 1: "causal", 2: "bool array", 3: "additive array"}
 
 def production_instantiations():
     """``(kernel name, ((template name, value), ...))`` for every instantiation dispatch can launch:
-    quantize (T, D), dequantize (OutT, D), decode attention (FT, D, QB), merge (OutT, D): the
+    quantize (T, D), dequantize (OutT, D), decode attention (FT, D, QB, TGP), merge (OutT, D): the
     merge writes the queries' dtype."""
     out = []
     for d in SUPPORTED_DIMS:
@@ -27,7 +27,7 @@ def production_instantiations():
             out.append(("oiq_quantize", (("T", dt), ("D", d), ("ROWS", ROWS_PER_THREADGROUP))))
             out.append(("oiq_dequantize", (("OutT", dt), ("D", d))))
             for qb in (qb for qb in QUERY_ROWS if qb <= max_query_rows(d)):
-                out.append(("oiq_decode_attention", (("FT", dt), ("D", d), ("QB", qb))))
+                out.append(("oiq_decode_attention", (("FT", dt), ("D", d), ("QB", qb), ("TGP", PARTS_PER_THREADGROUP))))
             out.append(("oiq_decode_merge", (("OutT", dt), ("D", d))))
     return out
 

@@ -140,7 +140,8 @@ def _quantize_case(dtype, d: int) -> str:
 
 
 def _attention_case(fp_dtype, d: int, qb: int, out_dtype) -> str:
-    return (_case("oiq_decode_attention", ("FT", fp_dtype), ("D", d), ("QB", qb)) + "+"
+    return (_case("oiq_decode_attention", ("FT", fp_dtype), ("D", d), ("QB", qb),
+                  ("TGP", attention_module.PARTS_PER_THREADGROUP)) + "+"
             + _case("oiq_decode_merge", ("OutT", out_dtype), ("D", d)))
 
 
@@ -335,7 +336,7 @@ def _check_attention(fp_dtype, d: int, qb: int, out_dtype) -> str | None:
     """QB query rows per KV head (one position at QB = 1, else two) over two KV heads, twice:
     2 sink, 5 packed (4-bit keys, 3-bit values, key scales, rotated) and 3 recent rows with a
     mask (boolean, dropping keys of every segment, at one position; causal at two), sink
-    logits and a value mean, in slices of two keys (the merge reads six partials); then 2 bits
+    logits moved by a key mean and a value mean, in slices of two keys (the merge reads six partials); then 2 bits
     and 6 recent rows only, nothing else (the start of a generation: placeholders for every
     absent input, which MLX binds ``constant`` where small, another generated kernel).
     Against a float64 softmax over the stored values."""
@@ -343,6 +344,43 @@ def _check_attention(fp_dtype, d: int, qb: int, out_dtype) -> str | None:
         why = _attention_trial(fp_dtype, d, qb, out_dtype, case == "full")
         if why is not None:
             return f"{why} ({case})"
+    why = _ranges_trial(fp_dtype, d, qb, out_dtype)
+    return None if why is None else f"{why} (batch ranges)"
+
+
+def _ranges_trial(fp_dtype, d: int, qb: int, out_dtype) -> str | None:
+    """A decode step of two sequences stacked on padded lengths (``ranges``, what a stacked batch
+    decodes with), QB query heads on one KV head, 4 packed and 4 recent rows of room, the second
+    sequence holding 2 packed and 2 recent rows and every other row NaN: each must get the
+    softmax over its own rows."""
+    n_kv, g, bits = 1, 32, 4
+    q = _inputs((2, qb, 1, d), fp_dtype, seed=d + 11)
+    rk, rv = (_inputs((2, n_kv, 4, d), fp_dtype, seed=d + 12 + i) for i in range(2))
+    kc, ks = codec.quantize(_inputs((2, n_kv, 4, d), mx.float32, seed=d + 14), bits, g)
+    vc, vs = codec.quantize(_inputs((2, n_kv, 4, d), mx.float32, seed=d + 15), bits, g)
+    held = np.array([[4, 0, 4], [2, 1, 3]], np.int32)  # packed rows, recent rows [lo, hi)
+    nan = np.full((2, n_kv, 4, 1), False)
+    nan[1, :, 2:] = True
+    ks_bad = mx.where(mx.array(nan), mx.array(float("nan"), ks.dtype), ks)
+    vs_bad = mx.where(mx.array(nan), mx.array(float("nan"), vs.dtype), vs)
+    rnan = np.full((2, n_kv, 4, 1), False)
+    rnan[1, :, [0, 3]] = True
+    rk_bad, rv_bad = (mx.where(mx.array(rnan), mx.array(float("nan"), x.dtype), x) for x in (rk, rv))
+    out = attention_module.decode_attention(
+        q, scale=d ** -0.5, segments=(None, None, (kc, ks_bad, vc, vs_bad), rk_bad, rv_bad), k_bits=bits,
+        v_bits=bits, group_size=g, ranges=mx.array(held), keys_per_part_=2, out_dtype=out_dtype)
+    mx.eval(out)
+    got = _f64(out)
+    for b, (n_p, lo, hi) in enumerate(held):
+        keys = np.concatenate([_f64(codec.dequantize(kc, ks, bits, g))[b, 0, :n_p], _f64(rk)[b, 0, lo:hi]])
+        values = np.concatenate([_f64(codec.dequantize(vc, vs, bits, g))[b, 0, :n_p], _f64(rv)[b, 0, lo:hi]])
+        scores = _f64(q)[b, :, 0] @ keys.T * d ** -0.5  # (QB, rows)
+        w = np.exp(scores - scores.max(-1, keepdims=True))
+        want = (w / w.sum(-1, keepdims=True)) @ values
+        err = float(np.max(np.abs(got[b, :, 0] - want)))
+        bound = ATTENTION_TOLERANCE[out_dtype] * max(1.0, float(np.max(np.abs(want))))
+        if not err <= bound:
+            return f"sequence {b}'s output off the reference by {err:.3g} (bound {bound:.3g})"
     return None
 
 
@@ -372,13 +410,14 @@ def _attention_trial(fp_dtype, d: int, qb: int, out_dtype, full: bool) -> str | 
         vc, vs = codec.quantize(rotation.rotate(_inputs((1, n_kv, n_packed, d), mx.float32, seed=d + 8), v_signs),
                                 v_bits, g)
         v_mean = _inputs((1, n_kv, 1, d), mx.float32, seed=d + 9) * 0.1
+        k_mean = _inputs((1, n_kv, 1, d), mx.float32, seed=d + 10) * 0.1
         sinks = mx.linspace(-1.0, 1.0, n_q)
         segments = (fp_k[:, :, :n_sink], fp_v[:, :, :n_sink], (kc, ks, vc, vs), fp_k[:, :, n_sink:],
                     fp_v[:, :, n_sink:])
         out = attention_module.decode_attention(
             q, scale=scale, segments=segments, k_bits=k_bits, v_bits=v_bits, group_size=g, k_lam=k_lam,
-            k_signs=k_signs, mask=mask, sinks=sinks, v_mean=v_mean, v_signs=v_signs, keys_per_part_=2,
-            out_dtype=out_dtype)
+            k_signs=k_signs, mask=mask, sinks=sinks, v_mean=v_mean, v_signs=v_signs, k_mean=k_mean,
+            keys_per_part_=2, out_dtype=out_dtype)
     else:
         out = attention_module.decode_attention(
             q, scale=scale, segments=(None, None, None, fp_k, fp_v), k_bits=k_bits, v_bits=v_bits, group_size=g,
@@ -393,7 +432,11 @@ def _attention_trial(fp_dtype, d: int, qb: int, out_dtype, full: bool) -> str | 
     keys, values = np.concatenate(keys, axis=2)[0], np.concatenate(values, axis=2)[0]  # (n_kv, T, d)
     qh = _f64(q)[0].reshape(n_kv, rep, L, d) * scale
     scores = np.where(keep, np.einsum("hrld,htd->hrlt", qh, keys), -np.inf)
-    sink_logits = np.broadcast_to(_f64(sinks).reshape(n_kv, rep, 1, 1) if full else -np.inf, (n_kv, rep, L, 1))
+    if full:  # the stored keys are centered: each sink logit moves by -scale * q . key mean
+        sink_logits = _f64(sinks).reshape(n_kv, rep, 1, 1) - np.einsum("hrld,hd->hrl", qh, _f64(k_mean)[0, :, 0])[
+            ..., None]
+    else:
+        sink_logits = np.full((n_kv, rep, L, 1), -np.inf)
     top = np.maximum(scores.max(-1, keepdims=True), sink_logits)
     w = np.exp(scores - top)
     w = w / (w.sum(-1, keepdims=True) + np.exp(sink_logits - top))

@@ -14,6 +14,7 @@ from oiq_mlx import OIQConfig, OIQKVCache, make_oiq_cache
 from oiq_mlx.cache.attention import oiq_attention, oiq_batch_attention
 from oiq_mlx.bench.bytes import held_arrays
 from oiq_mlx.cache.batch import BatchOIQKVCache
+from oiq_mlx.core.codec import bytes_per_token
 
 # window 8 + 2 sinks: prompts of 5, 23 and 40 tokens put the packed-segment
 # boundary at different places in one batch (5 crosses it only while decoding)
@@ -306,6 +307,61 @@ def test_stacked_decode_equals_each_sequence_alone(cfg):
         _assert_same_storage(a, b)
 
 
+@pytest.mark.parametrize("cfg", [OIQConfig.preset("4bit", window=8, sink_tokens=2, trim_reserve=4, exact_prefill=0),
+                                 OIQConfig.preset("3bit", window=8, sink_tokens=2, trim_reserve=4, exact_prefill=0)],
+                         ids=["K5V3", "3bit"])
+def test_sequences_packing_on_one_step_pack_together_as_each_alone(cfg, monkeypatch):
+    """Sequences whose windows fill on the same step (lengths equal modulo the block) pack
+    together: one gather of their rows, one quantize pass per packed buffer with each sequence's
+    key scales, one scatter; each stores exactly what it stores alone."""
+    from oiq_mlx.cache.stacked import StackedDecode
+
+    together = []
+    real = StackedDecode._pack_together
+    monkeypatch.setattr(StackedDecode, "_pack_together", lambda self, due: (together.append(len(due)), real(self, due)))
+    history = [40, 48, 56, 72, 13]  # the first four in one phase, the last in another
+    alone = [OIQKVCache(cfg) for _ in history]
+    joined = [OIQKVCache(cfg) for _ in history]
+    for i, n in enumerate(history):
+        for c in (alone[i], joined[i]):
+            c.update_and_fetch(*_kv(i, n, scale=1.0 + i))
+            c.release_fresh()
+    batch = OIQKVCache.merge(joined)
+    _decode_side_by_side(batch, alone, 3 * 8 + 1, seed=500, cfg=cfg)
+    assert together == [4, 4, 4], together
+    batch.unstack()
+    for a, b in zip(alone, batch.caches):
+        _assert_same_storage(a, b)
+
+
+def test_batches_of_other_shapes_at_the_same_positions_pack_their_own_rows():
+    """The row indices a step builds for packing sequences together are reused by every layer of
+    that step, and only by a batch of the same shape: two batches at the same positions, one with
+    a KV head fewer, interleaved step by step, each store what their sequences store alone."""
+    cfg = OIQConfig.preset("3bit", window=8, sink_tokens=2, trim_reserve=4, exact_prefill=0)
+    history = [40, 48]
+    runs = []
+    for heads in (2, 1):
+        alone, joined = [OIQKVCache(cfg) for _ in history], [OIQKVCache(cfg) for _ in history]
+        for i, n in enumerate(history):
+            k, v = _kv(i, n)
+            for c in (alone[i], joined[i]):
+                c.update_and_fetch(k[:, :heads], v[:, :heads])
+                c.release_fresh()
+        runs.append((heads, OIQKVCache.merge(joined), alone))
+    for t in range(9):
+        for heads, batch, alone in runs:
+            rows = [_kv(700 + 10 * t + i, 1) for i in range(len(alone))]
+            rows = [(k[:, :heads], v[:, :heads]) for k, v in rows]
+            batch.update_and_fetch(mx.concatenate([k for k, _ in rows]), mx.concatenate([v for _, v in rows]))
+            for c, (k, v) in zip(alone, rows):
+                c.update_and_fetch(k, v)
+    for _, batch, alone in runs:
+        batch.unstack()
+        for a, b in zip(alone, batch.caches):
+            _assert_same_storage(a, b)
+
+
 @pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, k_bits=4, v_bits=4)], ids=["K5V3", "K4V4"])
 def test_stacked_state_holds_no_copy_and_nbytes_counts_it(cfg):
     batch = OIQKVCache.merge([OIQKVCache(cfg) for _ in range(3)])
@@ -437,8 +493,10 @@ def test_sequences_joining_a_stacked_batch_are_appended_to_it():
 
 def test_batch_generator_sequences_hold_what_one_sequence_holds():
     """mlx-lm's BatchGenerator (the server's path) with the 4bit preset: each finished
-    sequence's cache holds what the same sequence generated alone holds, byte for byte, and
-    that is packed (about 0.3x float16 at 2k tokens, not the prompt in full precision)."""
+    sequence's cache holds what the same sequence generated alone holds (the same rows packed and
+    in full precision; batched matmuls round apart from one sequence's), in no more bytes (its packed buffers come back from the stacked batch at the rows held,
+    rounded to a block; alone they may hold up to one growth step more), and that is packed
+    (about 0.3x float16 at 2k tokens, not the prompt in full precision)."""
     from oiq_mlx.mlx_lm.caches import float16_model_bytes, kv_memory
 
     model = tiny_llama(head_dim=64, n_heads=4, n_kv_heads=2, layers=2, vocab=256)
@@ -447,6 +505,13 @@ def test_batch_generator_sequences_hold_what_one_sequence_holds():
     _, caches = _batched(model, prompts, 4, cfg)
     for prompt, cache in zip(prompts, caches):
         _, alone = _alone(model, prompt, 4, cfg)
-        assert float16_model_bytes(cache) == float16_model_bytes(alone)
+        for a, b in zip(_oiq_layers(alone), _oiq_layers(cache)):
+            assert (a.offset, a.q_end, a.recent_start) == (b.offset, b.q_end, b.recent_start)
+        held = float16_model_bytes(cache)
+        assert held <= float16_model_bytes(alone)
+        growth = sum(c.growth_step(c.q_end) * int(np.prod(c.batch_heads))
+                     * sum(bytes_per_token(side.dim, side.bits, cfg.group_size) for side in (c.k, c.v))
+                     for c in _oiq_layers(alone))
+        assert float16_model_bytes(alone) - held <= growth
         ratio = float16_model_bytes(cache) / kv_memory(cache)["fp16"]
         assert ratio < (0.33 if len(prompt) == 2000 else 0.35), ratio

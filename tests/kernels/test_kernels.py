@@ -1063,14 +1063,37 @@ def test_resources_of_production_instantiations(production_run):
     print("\n" + emulator.resource_table(rows))
 
 
-def test_stacked_batch_decode_through_kernels(kernels_on):
+def _poison_padding(st):
+    """NaN in every row of a stacked batch's buffers that no sequence attends this step nor holds:
+    the packed rows past each sequence's (scales all ones: float16 NaN) and its window rows outside
+    [the q_end the step found, offset)."""
+    s = st.config.sink_tokens
+    start = st.attend_from
+    for i, (q, r, o) in enumerate(zip(start, st.recent_start, st.offsets)):
+        for rows in st.rows:
+            rows[:, i : i + 1, :, st.q_end[i] - s :] = mx.array(0xFFFFFFFF, mx.uint32)
+        st.recent[:, i : i + 1, :, : q - r] = mx.array(float("nan"), st.recent.dtype)
+        st.recent[:, i : i + 1, :, o - r :] = mx.array(float("nan"), st.recent.dtype)
+    st._views()
+    st._segments = None
+
+
+@pytest.mark.parametrize("preset, lengths", [(None, (30, 75, 140)), ("4bit", (34, 50, 66)), ("3bit", (34, 50, 66))],
+                         ids=["K4V4-ragged", "4bit-in-phase", "3bit-in-phase"])
+def test_stacked_batch_decode_through_kernels(kernels_on, preset, lengths):
     """A decode step of sequences of different lengths over storage stacked across them
     (oiq_mlx.cache.stacked) is one attention + one merge launch for the whole batch, and each
-    sequence gets what the kernels give it alone (the mask shows it only its own rows)."""
+    sequence gets what the kernels give it alone: the kernel reads each sequence's own rows
+    (its ranges), never the padding, which is NaN here.  Sequences in one phase pack their
+    blocks together on the second step (one quantize launch per packed buffer, each with its
+    own key scales) and store the codes each stores alone."""
     from oiq_mlx.cache.attention import oiq_batch_attention
 
-    cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
-    d, n_kv, lengths = 128, 2, (30, 75, 140)
+    if preset is None:
+        cfg = OIQConfig(k_bits=4, v_bits=4, group_size=32, sink_tokens=4, window=16)
+    else:
+        cfg = OIQConfig.preset(preset, sink_tokens=4, window=16, exact_prefill=0)
+    d, n_kv = 128, 2
     alone, joined = [], []
     for i, n in enumerate(lengths):
         for group in (alone, joined):
@@ -1084,9 +1107,13 @@ def test_stacked_batch_decode_through_kernels(kernels_on):
     for t in range(3):
         k = mx.random.normal((3, n_kv, 1, d), key=mx.random.key(100 + t)).astype(mx.float16)
         v = mx.random.normal((3, n_kv, 1, d), key=mx.random.key(200 + t)).astype(mx.float16)
+        kernels_on.clear()
         batch.update_and_fetch(k, v)
         assert batch.stacked is not None
         q = mx.random.normal((3, 6, 1, d), key=mx.random.key(300 + t)).astype(mx.float16)
+        if preset is not None and t == 1:
+            assert len(kernels_on) == len(batch.stacked.rows)  # the three blocks: one quantize per buffer
+        _poison_padding(batch.stacked)
         kernels_on.clear()
         out = oiq_batch_attention(q, batch, scale=SCALE[d])
         mx.eval(out)
@@ -1096,3 +1123,9 @@ def test_stacked_batch_decode_through_kernels(kernels_on):
             want = attention.oiq_attention(q[i : i + 1], c, SCALE[d])
             np.testing.assert_allclose(np.array(out[i : i + 1], np.float32), np.array(want, np.float32),
                                        atol=2e-3, rtol=2e-3)
+    if preset is not None:  # the packed rows, bit for bit (the padding poisoned above is past them)
+        packed = [[np.array(b[:, :, :, : c.q_end - cfg.sink_tokens]) for b in c.packed_buffers()] for c in alone]
+        batch.unstack()
+        for want, c in zip(packed, batch.caches):
+            for w, b in zip(want, c.packed_buffers()):
+                np.testing.assert_array_equal(np.array(b[:, :, :, : c.q_end - cfg.sink_tokens]), w)

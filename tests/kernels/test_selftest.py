@@ -87,7 +87,7 @@ def test_real_kernels_pass_and_the_verdict_is_kept_on_disk(metal, monkeypatch):
     assert decode_attention._merge_kernel() in metal  # the kernels served the step
     verdicts = json.loads(selftest.cache_path().read_text())["verdicts"]
     assert f"oiq_quantize[T=float16,D={D},ROWS=4]" in verdicts
-    assert any(c.startswith(f"oiq_decode_attention[FT=float16,D={D},QB=2]+oiq_decode_merge[OutT=float16")
+    assert any(c.startswith(f"oiq_decode_attention[FT=float16,D={D},QB=2,TGP=4]+oiq_decode_merge[OutT=float16")
                for c in verdicts)
     assert all(why is None for why in verdicts.values())
     assert mx.allclose(out, _reference_step(monkeypatch), atol=1e-2)
@@ -148,11 +148,15 @@ def test_a_wrong_kernel_warns_once_and_the_reference_serves(metal, monkeypatch, 
 
 
 # Metal source edits that break decode attention (from test_kernels.py's MUTATIONS): a wrong
-# result at two query positions, and a kernel that does not compile when the placeholders of a
+# result at two query positions, a kernel reading the padding of a stacked batch, a sink logit not
+# following the centered keys, and a kernel that does not compile when the placeholders of a
 # cache without packed rows are bound ``constant`` (the emulator's address spaces, as Metal's)
 MUTATIONS = {
     "causal mask off by one": ("decode_attention.metal", "s = tj <= T - L + qpos[i] ? s : -INFINITY;",
                                "s = tj < T - L + qpos[i] ? s : -INFINITY;"),
+    "batch ranges ignored": ("decode_attention.metal", "if (params[16] != 0) {", "if (false) {"),
+    "sink logit moved the wrong way": ("decode_merge.metal", "sink -= part_shift[z * qb + i];",
+                                       "sink += part_shift[z * qb + i];"),
     "device pointer in oiq_unpack": ("oiq_common.h", "template <int E, typename P>\nMETAL_FUNC void oiq_unpack(P words",
                                      "template <int E>\nMETAL_FUNC void oiq_unpack(const device uint32_t* words"),
 }
@@ -173,7 +177,7 @@ def test_a_mutated_kernel_source_fails_its_self_test(metal, monkeypatch, mutatio
     try:
         selftest.clear()
         assert selftest.cache_path() != passed  # other sources, other verdicts
-        with pytest.warns(RuntimeWarning, match=r"oiq_decode_attention\[FT=float16,D=64,QB=2\]\+oiq_decode_merge"
+        with pytest.warns(RuntimeWarning, match=r"oiq_decode_attention\[FT=float16,D=64,QB=2,TGP=4\]\+oiq_decode_merge"
                                                 r"\[OutT=float16,D=64\] failed its self-test"):
             assert not selftest.attention_ok(mx.float16, D, 2, mx.float16)
     finally:
@@ -255,7 +259,7 @@ def test_check_metal_reports_the_self_test(metal, monkeypatch):
              ("oiq_decode_merge", (("OutT", mx.bfloat16), ("D", D)))]
     rows = metal_check.check_selftest(picks)
     assert rows == [{"instantiation": f"oiq_quantize[T=float16,D={D},ROWS=4]", "error": None},
-                    {"instantiation": f"oiq_decode_attention[FT=bfloat16,D={D},QB=1]+oiq_decode_merge"
+                    {"instantiation": f"oiq_decode_attention[FT=bfloat16,D={D},QB=1,TGP=4]+oiq_decode_merge"
                                       f"[OutT=bfloat16,D={D}]", "error": None}]
     _corrupting(decode_attention._merge_kernel, monkeypatch)
     broken = metal_check.check_selftest(picks)

@@ -61,6 +61,11 @@ def test_every_split_fits_the_merge():
             parts = da.segment_parts(kpp, sink, quant, recent)
             assert sum(parts) <= da.MAX_PARTS, (T, n, d, qb, bits, sink, recent, kpp, parts)
             assert all(p * kpp >= m for p, m in zip(parts, (sink, quant, recent)))
+            # in whole threadgroups of one domain each: the merge reads at most 34 partials
+            p_fp, P = da.launch_parts(*parts)
+            tgp = da.PARTS_PER_THREADGROUP
+            assert p_fp % tgp == 0 and P % tgp == 0 and p_fp >= parts[0] + parts[2] and P - p_fp >= parts[1]
+            assert P - sum(parts) <= 2 * (tgp - 1) and P // tgp <= 34
 
 
 def test_slices_beyond_the_merge_are_refused():
@@ -77,6 +82,7 @@ def test_split_table_of_the_readme():
     for bits, T in itertools.product((4, 3, 2), (4096, 32768)):
         c = da.bytes_per_key(128, bits, bits, 32, T - 68, 68, 2)
         kpp = da.keys_per_part(T, 8, d=128, qb=4, bytes_per_key=c)
-        rows[bits, T] = (kpp, sum(da.segment_parts(kpp, 4, T - 68, 64)))
-    assert rows == {(4, 4096): (228, 20), (4, 32768): (261, 128), (3, 4096): (293, 16),
-                    (3, 32768): (296, 113), (2, 4096): (410, 12), (2, 32768): (415, 81)}, rows
+        parts = da.segment_parts(kpp, 4, T - 68, 64)
+        rows[bits, T] = (kpp, sum(parts), da.launch_parts(*parts)[1] // da.PARTS_PER_THREADGROUP)
+    assert rows == {(4, 4096): (228, 20, 6), (4, 32768): (261, 128, 33), (3, 4096): (293, 16, 5),
+                    (3, 32768): (296, 113, 29), (2, 4096): (410, 12, 4), (2, 32768): (415, 81, 21)}, rows
