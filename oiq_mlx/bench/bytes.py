@@ -21,7 +21,7 @@ primitive moves is the bytes it reads plus the bytes it writes:
   sinks, the window), so what they read is counted exactly; given a batch stacked on padded
   lengths, the decode kernel reads each sequence's own rows (its ``ranges`` input), and counts
   those (``kernels.decode_attention.attention_bytes_read``; that it reads no others,
-  ``tests/cache/test_batch.py`` checks on the emulator with the padding poisoned);
+  ``tests/kernels/test_kernels.py`` checks on the emulator with the padding poisoned);
 * mlx's fused attention ``mx.fast.scaled_dot_product_attention`` (mlx-lm's full-precision
   caches) is recorded as one kernel, as it runs on a Mac: it reads the queries, keys, values
   and mask once and writes the output.  The partials of its two-pass variant, which MLX picks
