@@ -93,7 +93,8 @@ def join_pair(k_codes, k_scales, v_codes, v_scales) -> mx.array:
     pad = -scales.shape[-1] % 4
     if pad:
         scales = mx.pad(scales, [(0, 0)] * (scales.ndim - 1) + [(0, pad)])
-    return mx.concatenate([k_codes, v_codes, mx.contiguous(scales).view(mx.uint32)], axis=-1)
+    # a concatenation (or pad) is a new row-contiguous array: its bytes view as words in place
+    return mx.concatenate([k_codes, v_codes, scales.view(mx.uint32)], axis=-1)
 
 
 def split_pair(rows: mx.array, dim: int, mode: str, which: int):

@@ -318,3 +318,22 @@ def test_generation_through_mlx_lm_runs_on_fp4():
     for name in ("mxfp4", "nvfp4"):
         assert np.isfinite(logits[name]).all()
         assert np.abs(logits[name] - logits["fp"]).max() < 0.05 * np.abs(logits["fp"]).max()
+
+
+def test_prompt_cache_entries_share_the_joined_rows():
+    """oiq-server's prompt cache: an fp4 entry's packed rows are the first rows of a longer entry's,
+    held as views of its one joined buffer, and taken back as a copy of their own."""
+    from oiq_mlx.cache.entries import own_packed_rows, packed_entry, packed_rows_match, share_packed_rows
+
+    data = chunk_data(seed=12, n=200, d=D)
+    a, _ = run_chunks(OIQKVCache(MX), [100] + [1] * 20, data)
+    b, _ = run_chunks(OIQKVCache(MX), [100] + [1] * 60, data)
+    ea, eb = packed_entry(a), packed_entry(b)
+    assert packed_rows_match(ea, eb) and ea.packed_layout() == [(1, fp4.pair_width(D, "mxfp4"))]
+    want = [packed_entry(a).dequantized_kv(), a.dequantized_kv()]
+    share_packed_rows(ea, eb)
+    for got in (ea.dequantized_kv(), (own_packed_rows(ea), ea.dequantized_kv())[1]):
+        for x, y in zip(got, want[0]):
+            assert mx.array_equal(x, y)
+        for x, y in zip(got, want[1]):
+            assert mx.array_equal(x, y)
