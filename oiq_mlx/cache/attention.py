@@ -260,10 +260,11 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
     parts = []
     if sink_k is not None:
         parts.append(qg @ sink_k.swapaxes(-1, -2))
-    if quant is not None and k.fp4:
+    mode = cache.config.storage  # "int", or the fp4 mode of the packed rows
+    if quant is not None and mode != "int":
         kc, ks, vc, vs = quant
         parts.append(mx.quantized_matmul(qr.reshape(B, n_kv, rep * L, dq), kc, ks, transpose=True, group_size=gs,
-                                         bits=4, mode=k.storage))
+                                         bits=4, mode=mode))
     elif quant is not None:
         kc, ks, vc, vs = quant
         pair = cache.packed_scales(kc.shape[2]) if k.bits == v.bits else None
@@ -304,9 +305,9 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
         i += n
     if quant is not None:
         n = vc.shape[2]
-        if v.fp4:
+        if mode != "int":
             packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, transpose=False, group_size=gs, bits=4,
-                                         mode=v.storage)
+                                         mode=mode)
         else:
             packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, vb, transpose=False, group_size=gs, bits=v.bits)
         i += n
@@ -327,9 +328,10 @@ def _prefill_reference(queries: mx.array, scale: float, cache, mask, sinks, segm
         ks_.append(sink_k), vs_.append(sink_v)
     if quant is not None:
         kc, ksc, vc, vsc = quant
-        if k.fp4:
-            ks_.append(k.packed_to_window(fp4.dequantize(kc, ksc, k.storage)).astype(cache.dtype))
-            vs_.append(v.packed_to_window(fp4.dequantize(vc, vsc, v.storage)).astype(cache.dtype))
+        mode = cache.config.storage
+        if mode != "int":
+            ks_.append(k.packed_to_window(fp4.dequantize(kc, ksc, mode)).astype(cache.dtype))
+            vs_.append(v.packed_to_window(fp4.dequantize(vc, vsc, mode)).astype(cache.dtype))
         else:
             ks_.append(k.packed_to_window(dispatch.dequantize(kc, ksc, k.bits, gs)).astype(cache.dtype))
             vs_.append(v.packed_to_window(dispatch.dequantize(vc, vsc, v.bits, gs)).astype(cache.dtype))
