@@ -256,6 +256,8 @@ def cache_label(cache) -> str:
         return "full precision"
     cfg = configs[0]
     label = f"OIQ K{cfg.k_bits}V{cfg.v_bits} g{cfg.group_size}"
+    if cfg.storage != "int":
+        label = f"OIQ {cfg.storage.upper()} g{cfg.group_size}"
     if cfg.layer_bits:
         label += ", layers " + layer_bits_text(cfg.layer_bits)
     if cfg.positional:

@@ -71,6 +71,9 @@ def test_cli_flag_sets_the_storage():
         config_from_args(p.parse_args("--preset 4bit --storage mxfp4".split()))
     with pytest.raises(SystemExit):
         p.parse_args(["--storage", "fp8"])
+    from oiq_mlx.cli.options import cache_label
+
+    assert cache_label([OIQKVCache(cfg)]) == "OIQ MXFP4 g32"
 
 
 # ---------------------------------------------------------------- codec
