@@ -177,9 +177,11 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
     Returns:
         ``(B, n_q, L, v.dim)`` in ``out_dtype`` (slice to ``v.head_dim``), or None.
     """
-    if cache.config.storage != "int" or not dispatch.kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
+    if cache.config.storage != "int":
         # the kernels decode integer codes: an fp4 cache (MXFP4 / NVFP4) always takes the reference
         # path, whose mx.quantized_matmul(mode=) MLX runs natively on every backend
+        return None
+    if not dispatch.kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
         return None
     if out_dtype not in OUT_DTYPES:
         return None

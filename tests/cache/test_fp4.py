@@ -340,3 +340,16 @@ def test_prompt_cache_entries_share_the_joined_rows():
             assert mx.array_equal(x, y)
         for x, y in zip(got, want[1]):
             assert mx.array_equal(x, y)
+
+
+def test_positional_fp4_stores_the_same_however_tokens_arrive():
+    """positional (oiq-server's default): one prompt call or chunks and single tokens store the same rows."""
+    import dataclasses
+
+    cfg = dataclasses.replace(MX, positional=True)
+    data = chunk_data(seed=14, n=120, d=D)
+    a, out_a = run_chunks(OIQKVCache(cfg), [100] + [1] * 20, data)
+    b, out_b = run_chunks(OIQKVCache(cfg), [7, 30, 1, 1, 61] + [1] * 20, data)
+    for x, y in zip(a.state[:-1], b.state[:-1]):
+        assert (x is None and y is None) or mx.array_equal(x, y)
+    np.testing.assert_allclose(np.array(out_a), np.array(out_b), atol=1e-5)
