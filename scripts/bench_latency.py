@@ -34,6 +34,10 @@ def main(argv=None) -> int:
                              "K5V3), else k_bits = v_bits at those bits (default 4,3,2)")
     parser.add_argument("--mlx-bits", default="4,8",
                         help="mlx-lm QuantizedKVCache bit widths, group 64 (default 4,8; empty string: none)")
+    parser.add_argument("--caches", default="", metavar="SPEC,...",
+                        help="further caches to run after the others, by the names fidelity_sweep.py takes "
+                             "(oiq_mlx.eval.specs: preset:NAME[field=value,...], oiq[...]), e.g. "
+                             "'oiq[storage=mxfp4,k_bits=4,v_bits=4,clip=False,align_scales=False]'")
     parser.add_argument("--group-size", type=int, default=None, help="OIQ group size, replacing the presets' (32)")
     parser.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per configuration (default 32; --quick 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before the timed ones (default 3; at least 1: the first step "
@@ -63,7 +67,7 @@ def main(argv=None) -> int:
     import mlx.core as mx
 
     from oiq_mlx.bench import attention, bytes as moved, latency as bench
-    from oiq_mlx.eval.specs import parse_ints
+    from oiq_mlx.eval.specs import parse_ints, parse_spec, split_spec_list
 
     if args.cpu:
         mx.set_default_device(mx.cpu)
@@ -73,6 +77,7 @@ def main(argv=None) -> int:
     steps = args.decode_steps if args.decode_steps is not None else (20 if args.quick else 32)
     warmup = 2 if args.quick and args.warmup == 3 else args.warmup
     specs = bench.default_specs(parse_ints(args.oiq_bits), parse_ints(args.mlx_bits), args.group_size)
+    specs += [parse_spec(name) for name in split_spec_list(args.caches)]
 
     result = {"environment": bench.environment(), "command": sys.argv,
               "settings": {"contexts": contexts, "decode_steps": steps, "warmup": warmup,

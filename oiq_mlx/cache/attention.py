@@ -32,7 +32,7 @@ import functools
 import mlx.core as mx
 
 from ..kernels import dispatch
-from ..core import rotation
+from ..core import fp4, rotation
 from .common import halves, pad_last
 from ..core.codec import SUPPORTED_BITS
 from ..kernels import selftest
@@ -171,6 +171,10 @@ def decode_attention_kernel(cache, queries: mx.array, scale: float, mask, sinks,
     Returns:
         ``(B, n_q, L, v.dim)`` in ``out_dtype`` (slice to ``v.head_dim``), or None.
     """
+    if cache.config.storage != "int":
+        # the kernels decode integer codes: an fp4 cache (MXFP4 / NVFP4) always takes the reference
+        # path, whose mx.quantized_matmul(mode=) MLX runs natively on every backend
+        return None
     if not dispatch.kernels_enabled() or not isinstance(queries, mx.array) or queries.ndim != 4:
         return None
     if out_dtype not in OUT_DTYPES:
@@ -250,7 +254,12 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
     parts = []
     if sink_k is not None:
         parts.append(qg @ sink_k.swapaxes(-1, -2))
-    if quant is not None:
+    mode = cache.config.storage  # "int", or the fp4 mode of the packed rows
+    if quant is not None and mode != "int":
+        kc, ks, vc, vs = quant
+        parts.append(mx.quantized_matmul(qr.reshape(B, n_kv, rep * L, dq), kc, ks, transpose=True, group_size=gs,
+                                         bits=4, mode=mode))
+    elif quant is not None:
         kc, ks, vc, vs = quant
         pair = cache.packed_scales(kc.shape[2]) if k.bits == v.bits else None
         if pair is not None:
@@ -290,7 +299,11 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
         i += n
     if quant is not None:
         n = vc.shape[2]
-        packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, vb, transpose=False, group_size=gs, bits=v.bits)
+        if mode != "int":
+            packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, transpose=False, group_size=gs, bits=4,
+                                         mode=mode)
+        else:
+            packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, vb, transpose=False, group_size=gs, bits=v.bits)
         i += n
     if recent_v is not None:
         window = p[..., i:] @ recent_v
@@ -309,8 +322,13 @@ def _prefill_reference(queries: mx.array, scale: float, cache, mask, sinks, segm
         ks_.append(sink_k), vs_.append(sink_v)
     if quant is not None:
         kc, ksc, vc, vsc = quant
-        ks_.append(k.packed_to_window(dispatch.dequantize(kc, ksc, k.bits, gs)).astype(cache.dtype))
-        vs_.append(v.packed_to_window(dispatch.dequantize(vc, vsc, v.bits, gs)).astype(cache.dtype))
+        mode = cache.config.storage
+        if mode != "int":
+            ks_.append(k.packed_to_window(fp4.dequantize(kc, ksc, mode)).astype(cache.dtype))
+            vs_.append(v.packed_to_window(fp4.dequantize(vc, vsc, mode)).astype(cache.dtype))
+        else:
+            ks_.append(k.packed_to_window(dispatch.dequantize(kc, ksc, k.bits, gs)).astype(cache.dtype))
+            vs_.append(v.packed_to_window(dispatch.dequantize(vc, vsc, v.bits, gs)).astype(cache.dtype))
     if recent_k is not None:
         ks_.append(recent_k), vs_.append(recent_v)
     keys = mx.concatenate(ks_, axis=2) if len(ks_) > 1 else ks_[0]

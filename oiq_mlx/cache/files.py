@@ -23,6 +23,7 @@ import json
 
 import mlx.core as mx
 
+from ..core import fp4
 from ..core.codec import join_rows
 from ..core.config import OIQConfig
 from .common import DTYPES, expected_signs
@@ -44,7 +45,7 @@ _ARRAY_NAMES = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
 # does not fit: the array or one of them is at fault)
 _IMPLIED_BY = {
     "codes": "q_end, sink_tokens, dims, k_bits/v_bits/layer_bits and layer_idx",
-    "scales": "q_end, sink_tokens, dims and group_size",
+    "scales": "q_end, sink_tokens, dims, group_size and storage",
     "sink": "offset, sink_tokens, dims and dtype",
     "recent": "offset, recent_start, q_end, dims and dtype",
     "signs": "dims",
@@ -139,7 +140,12 @@ def restore_state(cache, v) -> dict:
             side.sink = side.packed_to_window(side.sink).astype(cache.dtype)
             if side.recent is not None:
                 side.recent = side.packed_to_window(side.recent).astype(cache.dtype)
-        side.rows = join_rows(arrays["codes"][:, :, :n_q], arrays["scales"][:, :, :n_q]) if n_q else None
+        if cfg.storage == "int":
+            side.rows = join_rows(arrays["codes"][:, :, :n_q], arrays["scales"][:, :, :n_q]) if n_q else None
+    if cfg.storage != "int" and n_q:
+        # fp4: one joined buffer of key and value rows, which both sides view
+        rows = fp4.join_pair(*(a[name][:, :, :n_q] for a in sides for name in ("codes", "scales")))
+        cache.k.rows = cache.v.rows = rows
     return meta
 
 
@@ -309,7 +315,8 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
             a = arrays[name]
             if n or a is not None:
                 width = {"codes": dim * bits[which] // 32, "scales": dim // cfg.group_size}.get(name, dim)
-                want_dtype = {"codes": mx.uint32, "scales": mx.float16}.get(name, dtype)
+                want_dtype = {"codes": mx.uint32, "scales": mx.float16 if cfg.storage == "int" else mx.uint8}.get(
+                    name, dtype)
                 check(name, a, want_dtype, (*bh, n, width), rows={n})
 
         # oiq_mlx 0.1.0 saved the sink buffer at its full sink_tokens rows (always: its layout),
@@ -321,7 +328,9 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
             _check_finite_rows(side, "recent", arrays["recent"])
         check_rows("codes", n_q)
         check_rows("scales", n_q)
-        if n_q:
+        if n_q and cfg.storage != "int":
+            _check_fp4_scales(cfg.storage, side, arrays["codes"], arrays["scales"])
+        elif n_q:
             scales = arrays["scales"]
             # nothing writes a negative or infinite scale; NaN (a group that held
             # non-finite input) and 0 (an all-zero group) are written with codes 0
@@ -372,3 +381,15 @@ def _check_arrays(cfg: OIQConfig, meta: dict, sides):
             raise _refuse(f"{side} lam", "holds values below 1 (key scales only ever shrink channels)")
         if center and power > 0 and (mean is None) != (lam is None):
             raise _refuse(f"{side} mean", "and lam must be both present or both absent")
+
+
+def _check_fp4_scales(mode: str, side: str, codes, scales):
+    """fp4 scales (uint8: E8M0 for MXFP4, E4M3 for NVFP4): NVFP4 writes no negative scale, and the
+    NaN scale only over codes 0 (a group that held non-finite input, ``core/fp4.py``)."""
+    if mode == "nvfp4" and mx.any(scales >= 0x80).item():
+        raise _refuse(f"{side} scales", "hold negative E4M3 values (nvfp4 scales are never negative)")
+    nan = (scales == 0xFF) if mode == "mxfp4" else (scales == 0x7F)
+    words = codes.reshape(*codes.shape[:3], scales.shape[-1], -1)
+    if mx.any(mx.logical_and(nan[..., None], words != 0)).item():
+        raise _refuse(f"{side} scales", f"are NaN ({mode}) for groups whose codes are not 0 (a group is stored "
+                                        "with the NaN scale only with codes 0)")

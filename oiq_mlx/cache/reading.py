@@ -11,6 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from ..core import fp4
 from ..core.codec import dequantize, split_rows
 from .common import POSITIONAL, halves
 
@@ -32,7 +33,11 @@ class CacheReads:
         if memo is not None and memo[0] == n:
             return memo[1]
         g = self.config.group_size
-        if self._kv_rows is not None:
+        if self.k.fp4:
+            # one joined buffer: each side's codes and uint8 scales are views of it
+            rows = self.k.rows[:, :, :n]
+            views = (*self.k.split(rows), *self.v.split(rows), None)
+        elif self._kv_rows is not None:
             codes, scales = split_rows(self._kv_rows[:, :, :, :n], self.k.dim, self.k.bits, g)
             (kc, vc), (ks, vs) = halves(codes), halves(scales)
             views = (kc, ks, vc, vs, scales)
@@ -155,7 +160,9 @@ class CacheReads:
             for i, p in enumerate(parts):
                 if p is None:
                     continue
-                if i == 1:
+                if i == 1 and side.fp4:
+                    p = side.packed_to_window(fp4.dequantize(*p, side.storage))
+                elif i == 1:
                     p = side.packed_to_window(dequantize(*p, bits=side.bits, group_size=self.config.group_size))
                 chunks.append(p.astype(mx.float32))
             y = mx.concatenate(chunks, axis=2)

@@ -39,6 +39,7 @@ import warnings
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from ..core import fp4
 from ..core.codec import bytes_per_token, row_width
 from ..core.config import OIQConfig
 from ..kernels import dispatch
@@ -123,13 +124,17 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         self._prefilling = self.config.exact_prefill > 0 and not self.config.positional
         cfg = self.config
         k_bits, v_bits = cfg.bits_for_layer(self.layer_idx)
-        self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling, cfg.key_scaling_cap)
-        self.v = SideStorage(v_bits, cfg.group_size, cfg.clip, cfg.center_values)
+        self.k = SideStorage(k_bits, cfg.group_size, cfg.clip, cfg.center_keys, cfg.key_scaling, cfg.key_scaling_cap,
+                             storage=cfg.storage, which=0)
+        self.v = SideStorage(v_bits, cfg.group_size, cfg.clip, cfg.center_values, storage=cfg.storage, which=1)
 
     # -- writing -----------------------------------------------------------
 
     def _init_storage(self, keys: mx.array, values: mx.array):
         cfg = self.config
+        if cfg.storage != "int" and keys.shape[-1] != values.shape[-1]:
+            raise ValueError(f"storage={cfg.storage!r} joins a token's keys and values in one packed row: they "
+                             f"need one head dimension, got keys {keys.shape[-1]} and values {values.shape[-1]}")
         self.dtype = keys.dtype
         bh = tuple(keys.shape[:2])
         for which, (side, x) in enumerate(((self.k, keys), (self.v, values))):
@@ -301,10 +306,20 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         k, v = self.k, self.v
         return (k.bits, k.dim, k.clip) == (v.bits, v.dim, v.clip)
 
+    def _rows_views(self):
+        """``k.rows`` / ``v.rows`` as views of the shared packed buffer: its two halves, or for fp4
+        the one joined buffer ``(1, B, H, rows, pair_width)`` both sides read (``core/fp4.py``)."""
+        if self.k.fp4:
+            self.k.rows = self.v.rows = self._kv_rows.reshape(self._kv_rows.shape[1:])
+        else:
+            self.k.rows, self.v.rows = halves(self._kv_rows)
+
     def packed_layout(self) -> list:
         """``(lead, width)`` of each packed buffer, each with a leading side axis: ``[(2, W)]``
         when keys and values share one (:attr:`_pairs_packed`), else ``[(1, W_k), (1, W_v)]``."""
         g = self.config.group_size
+        if self.k.fp4:
+            return [(1, fp4.pair_width(self.k.dim, self.config.storage))]
         if self._pairs_packed:
             return [(2, row_width(self.k.dim, self.k.bits, g))]
         return [(1, row_width(side.dim, side.bits, g)) for side in (self.k, self.v)]
@@ -323,7 +338,7 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
             return
         if len(bufs) == 1:
             self._kv_rows = bufs[0]
-            self.k.rows, self.v.rows = halves(self._kv_rows)
+            self._rows_views()
         else:
             self.k.rows, self.v.rows = (b[0] for b in bufs)
 
@@ -339,7 +354,16 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         a, b = self.q_end - self.recent_start, target - self.recent_start
         qa, qb = self.q_end - s, target - s
         self._packed_room(qa, qb, bh)
-        if self._pairs_packed and b - a <= _STACK_MAX_ROWS:
+        if self.k.fp4:
+            # keys and values in one joined row: a block in one pass, a prompt in evaluated pieces
+            step = PIECE_ROWS if b - a > _STACK_MAX_ROWS else b - a
+            for lo in range(a, b, step):
+                hi = min(b, lo + step)
+                self._kv_rows[:, :, :, qa + lo - a : qa + hi - a] = self._quantize_rows(lo, hi)[None]
+                if step < b - a:
+                    eval_now(self._kv_rows)
+            self._rows_views()
+        elif self._pairs_packed and b - a <= _STACK_MAX_ROWS:
             # keys and values stacked: one quantize pass, one write
             self._kv_rows[:, :, :, qa:qb] = self._quantize_rows(a, b)
             self.k.rows, self.v.rows = halves(self._kv_rows)
@@ -380,9 +404,9 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         step = self.growth_step(used)
         if self._pairs_packed:
             old = self._kv_rows
-            self._kv_rows = grow(old, used, needed, step, (layout[0][1],), mx.uint32, (2, *bh))
+            self._kv_rows = grow(old, used, needed, step, (layout[0][1],), mx.uint32, (layout[0][0], *bh))
             if self._kv_rows is not old:
-                self.k.rows, self.v.rows = halves(self._kv_rows)
+                self._rows_views()
                 self._views = None
             return
         for side, (_, width) in zip((self.k, self.v), layout):
@@ -416,6 +440,8 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         """
         k, v, cfg = self.k, self.v, self.config
         rotate = cfg.rotation != "none"
+        if k.fp4:
+            stacked = True  # fp4: one joined row per token, ``(B, H, b - a, pair_width)``
         if not (stacked and self._pairs_packed):
             return [dispatch.quantize_rows(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip,
                                            lam=s.lam, signs=s.signs, rotate=rotate, joined=True,
@@ -431,6 +457,9 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
             self._stacked = (lam, mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1))
             mx.eval(self._stacked)
         lam, signs = self._stacked
+        if k.fp4:
+            return dispatch.quantize_fp4_rows(self._kv_recent[:, :, :, a:b], cfg.storage, lam=lam, signs=signs,
+                                              rotate=rotate)
         return dispatch.quantize_rows(self._kv_recent[:, :, :, a:b], k.bits, cfg.group_size, clip=k.clip, lam=lam,
                                       signs=signs, rotate=rotate, joined=True, align=cfg.align_scales)
 
@@ -516,6 +545,8 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         if self.k.codes is None:
             return 0
         b, h, cap = self.k.codes.shape[:3]
+        if self.k.fp4:
+            return b * h * cap * fp4.pair_bytes_per_token(self.k.dim, self.config.storage)
         per = bytes_per_token(self.k.dim, self.k.bits, self.config.group_size)
         per += bytes_per_token(self.v.dim, self.v.bits, self.config.group_size)
         return b * h * cap * per
@@ -547,7 +578,10 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         if k.dim == v.dim and k.recent is not None:
             self._kv_recent = mx.stack([k.recent, v.recent])
             k.recent, v.recent = halves(self._kv_recent)
-        if self._pairs_packed and k.rows is not None:
+        if k.fp4 and k.rows is not None:
+            self.set_packed_buffers([k.rows[None]])  # the state held the joined rows already
+            self._views = None
+        elif self._pairs_packed and k.rows is not None:
             self.set_packed_buffers([mx.stack([k.rows, v.rows])])
             self._views = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ..core import fp4
 from ..core.codec import FP16_MAX, split_rows
 from ..core.rotation import rotate, unrotate
 
@@ -20,8 +21,11 @@ class SideStorage:
     """
 
     def __init__(self, bits: int, group_size: int, clip: bool, center: bool, scale_power: float = 0.0,
-                 scale_cap: float = 0.0):
+                 scale_cap: float = 0.0, *, storage: str = "int", which: int = 0):
         self.bits, self.group_size, self.clip, self.center = bits, group_size, clip, center
+        # "int", or an fp4 mode: then ``rows`` are the joined key + value rows both sides view
+        # (``core/fp4.py``) and ``which`` says which half is this side's (0 keys, 1 values)
+        self.storage, self.which = storage, which
         self.scale_power, self.scale_cap = scale_power, scale_cap
         self.head_dim = self.dim = None
         self.signs = self.mean = self.lam = None
@@ -34,14 +38,26 @@ class SideStorage:
         self.head_dim, self.dim, self.signs, self.rotated = x.shape[-1], dim, signs, rotated
 
     @property
+    def fp4(self) -> bool:
+        """The packed segment stores fp4 (MXFP4 / NVFP4) values, not integer codes."""
+        return self.storage != "int"
+
+    def split(self, rows: mx.array):
+        """``(codes, scales)`` of this side in packed ``rows``, as views."""
+        if self.fp4:
+            return fp4.split_pair(rows, self.dim, self.storage, self.which)
+        return split_rows(rows, self.dim, self.bits, self.group_size)
+
+    @property
     def codes(self):
         """Packed codes ``(B, H, capacity, W)`` uint32: a view of :attr:`rows`, or None."""
-        return None if self.rows is None else split_rows(self.rows, self.dim, self.bits, self.group_size)[0]
+        return None if self.rows is None else self.split(self.rows)[0]
 
     @property
     def scales(self):
-        """Group scales ``(B, H, capacity, groups)`` float16: a view of :attr:`rows`, or None."""
-        return None if self.rows is None else split_rows(self.rows, self.dim, self.bits, self.group_size)[1]
+        """Group scales ``(B, H, capacity, groups)``: float16 (uint8 for fp4), a view of
+        :attr:`rows`, or None."""
+        return None if self.rows is None else self.split(self.rows)[1]
 
     def rotate(self, x: mx.array) -> mx.array:
         return rotate(x, self.signs) if self.rotated else x.astype(mx.float32)
@@ -106,7 +122,9 @@ class SideStorage:
 
     def arrays(self) -> list:
         """Every array this side holds."""
-        return [a for a in (self.rows, self.sink, self.recent, self.mean, self.signs, self.lam) if a is not None]
+        # fp4: both sides view one joined buffer, counted with the keys
+        rows = None if self.fp4 and self.which else self.rows
+        return [a for a in (rows, self.sink, self.recent, self.mean, self.signs, self.lam) if a is not None]
 
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())

@@ -18,6 +18,7 @@ from ..cache.entries import packed_rows
 from ..cache.sequence import OIQKVCache
 from ..core import platform as core_platform
 from ..core.config import OIQConfig, layer_bits_text
+from ..core.fp4 import STORAGES
 from ..mlx_lm.calibrate import parse_auto
 from ..mlx_lm.caches import cache_tokens, kv_memory, leaves, make_oiq_cache
 from ..mlx_lm.models import load, resolve_model
@@ -149,6 +150,12 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
                         "read earlier ones exactly, as a prompt prefilled in one call is read (costs their "
                         "full-precision keys and values until then; every preset keeps up to 16384; 0 = off; "
                         "no effect with --positional)")
+    o.add_argument("--storage", choices=list(STORAGES), default=None,
+                   help="how packed rows store values: int (integer codes, float16 scales; every preset "
+                        "except fp4), mxfp4 (E2M1 values, one E8M0 scale per 32; needs --k-bits 4 --v-bits 4 "
+                        "--group-size 32 --no-clip --no-align-scales) or nvfp4 (E2M1, "
+                        "one E4M3 scale per 16; --group-size 16); fp4 attention runs MLX's own fp4 "
+                        "quantized matmul")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
 
 
@@ -169,6 +176,7 @@ _OIQ_FIELDS = {
     "layer_bits": "layer_bits",
     "positional": "positional",
     "exact_prefill": "exact_prefill",
+    "storage": "storage",
 }
 
 
@@ -248,6 +256,8 @@ def cache_label(cache) -> str:
         return "full precision"
     cfg = configs[0]
     label = f"OIQ K{cfg.k_bits}V{cfg.v_bits} g{cfg.group_size}"
+    if cfg.storage != "int":
+        label = f"OIQ {cfg.storage.upper()} g{cfg.group_size}"
     if cfg.layer_bits:
         label += ", layers " + layer_bits_text(cfg.layer_bits)
     if cfg.positional:

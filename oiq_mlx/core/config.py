@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 
+from . import fp4
 from .codec import bytes_per_token, check_bits, check_group_size
 from .rotation import hadamard_block_size
 
@@ -172,6 +173,14 @@ class OIQConfig:
             values at these bits instead of ``k_bits``/``v_bits``.  ``layer`` is
             the index in the model's cache list (the decoder layer).  Use it to
             give the layers whose attention suffers most more bits.
+        storage: how the packed segment stores the rotated coordinates: ``"int"`` (the
+            default: ``k_bits`` / ``v_bits`` integer codes, one float16 scale per group),
+            ``"mxfp4"`` (E2M1 values, one E8M0 power-of-two scale per 32: group_size 32) or
+            ``"nvfp4"`` (E2M1, one E4M3 scale per 16: group_size 16), both through MLX's own fp4
+            quantize and quantized matmul (``oiq_mlx.core.fp4``).  fp4 needs
+            ``k_bits = v_bits = 4``, ``clip`` and ``align_scales`` off (MLX picks the scales) and
+            no ``layer_bits``; keys and values of one token share one packed row (68 bytes per
+            token and KV head at d = 64 for MXFP4).
     """
 
     k_bits: int = 5
@@ -192,11 +201,17 @@ class OIQConfig:
     layer_bits: tuple = ()
     positional: bool = False
     exact_prefill: int = 16384
+    storage: str = "int"
 
     def __post_init__(self):
         check_bits(self.k_bits, "k_bits")
         check_bits(self.v_bits, "v_bits")
-        check_group_size(self.group_size)
+        if not isinstance(self.storage, str) or self.storage not in fp4.STORAGES:
+            raise ValueError(f"storage={self.storage!r} is not one of {fp4.STORAGES}")
+        if self.storage == "int":
+            check_group_size(self.group_size)
+        else:
+            self._check_fp4()
         for name in ("seed", "quantize_after"):
             _check_int(name, getattr(self, name))
         for name in ("sink_tokens", "window", "trim_reserve", "exact_prefill"):
@@ -212,6 +227,19 @@ class OIQConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         object.__setattr__(self, "layer_bits", _parse_layer_bits(self.layer_bits))
+
+    def _check_fp4(self):
+        name, g = self.storage, fp4.FP4_GROUP[self.storage]
+        if isinstance(self.group_size, bool) or self.group_size != g:
+            raise ValueError(f"storage={name!r} has one scale per {g} values: group_size must be {g}, "
+                             f"got {self.group_size!r}")
+        if (self.k_bits, self.v_bits) != (4, 4):
+            raise ValueError(f"storage={name!r} stores 4-bit E2M1 values: k_bits and v_bits must be 4, got "
+                             f"{self.k_bits} and {self.v_bits}")
+        if self.clip or self.align_scales:
+            raise ValueError(f"storage={name!r} takes MLX's fp4 scales: clip and align_scales must be False")
+        if self.layer_bits:
+            raise ValueError(f"storage={name!r} stores every layer at 4 bits: layer_bits must be empty")
 
     def bits_for_layer(self, layer: int) -> tuple[int, int]:
         """``(k_bits, v_bits)`` of cache layer ``layer`` (``layer_bits`` applied)."""
@@ -269,6 +297,8 @@ class OIQConfig:
         layers that use OIQ), which must then be given.
         """
         d = self.storage_dim(head_dim)
+        if self.storage != "int":
+            return fp4.pair_bytes_per_token(d, self.storage)
 
         def row(k_bits, v_bits):
             return bytes_per_token(d, k_bits, self.group_size) + bytes_per_token(d, v_bits, self.group_size)
@@ -298,6 +328,7 @@ class OIQConfig:
         fields.setdefault("align_scales", False)  # likewise: scales as the codes' search chose them
         fields.setdefault("key_scaling_cap", 0.0)  # likewise: no cap
         fields.setdefault("exact_prefill", 0)  # likewise: chunks read earlier chunks packed
+        fields.setdefault("storage", "int")  # likewise: integer codes and float16 scales
         unknown, missing = sorted(set(fields) - known), sorted(known - set(fields))
         if unknown or missing:
             # a default filled in for a missing field could silently change how the cache stores

@@ -25,7 +25,7 @@ import os
 
 import mlx.core as mx
 
-from ..core import codec, rotation
+from ..core import codec, fp4, rotation
 from . import selftest
 from .source import SUPPORTED_DIMS
 from .dequantize import dequantize as kernel_dequantize
@@ -122,6 +122,17 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
         y = rotation.hadamard(y)
     out = _compiled_quantize(bits, group_size, clip, align)(y)
     return codec.join_rows(*out) if joined else out
+
+
+def quantize_fp4_rows(x: mx.array, mode: str, *, lam: mx.array | None, signs: mx.array, rotate: bool = True):
+    """Joined fp4 rows (``fp4.join_pair``) of window rows entering the packed segment: keys and
+    values stacked on the first axis, ``x`` ``(2, ..., n, d)``.  Plain MLX on every backend
+    (``mx.quantize(mode=)``): the int kernels never see fp4 data, and need not, since MLX
+    quantizes fp4 natively."""
+    y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
+    if rotate:
+        y = rotation.hadamard(y)
+    return fp4.quantize_pair(y, mode)
 
 
 # -- dequantize -----------------------------------------------------------------
