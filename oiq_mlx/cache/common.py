@@ -40,12 +40,32 @@ def grow(buf, used: int, needed: int, step: int, shape_tail, dtype, lead, limit:
     cap = -(-needed // step) * step
     if limit is not None:
         cap = min(cap, limit)
-    if buf is None or not used:
-        return mx.zeros((*lead, cap, *shape_tail), dtype)
-    # the kept rows copied once and only the new rows zero-filled (not a zero fill of the
-    # whole capacity, then a copy over it)
-    kept = buf[(slice(None),) * axis + (slice(0, used),)]
-    return mx.concatenate([kept, mx.zeros((*lead, cap - used, *shape_tail), dtype)], axis=axis)
+    return kept_rows(buf, 0, used, (*lead, cap, *shape_tail), dtype, axis)
+
+
+def kept_rows(buf, start: int, end: int, shape, dtype, axis: int = -2) -> mx.array:
+    """A new buffer of ``shape`` holding rows ``[start, end)`` of ``buf`` along ``axis`` first:
+    those rows copied once and only the rest zero-filled (not a zero fill of the whole buffer,
+    then a copy over it)."""
+    if buf is None or end <= start:
+        return mx.zeros(shape, dtype)
+    axis %= len(shape)
+    kept = buf[(slice(None),) * axis + (slice(start, end),)]
+    rest = shape[axis] - (end - start)
+    if not rest:
+        return mx.array(kept)
+    return mx.concatenate([kept, mx.zeros((*shape[:axis], rest, *shape[axis + 1:]), dtype)], axis=axis)
+
+
+def pair_tables(k, v):
+    """``(lam, signs)`` of one quantize pass over keys and values stacked on a new first axis: both
+    sides' key scales ``(2, B, H, 1, d)`` (ones for a side without; None when neither has any)
+    and signs ``(2, 1, 1, 1, d)``, as a cache's own stacked pass and a stacked batch's use them."""
+    lam = None
+    if k.lam is not None or v.lam is not None:
+        ref = k.lam if k.lam is not None else v.lam
+        lam = mx.stack([mx.ones_like(ref) if s.lam is None else s.lam for s in (k, v)])
+    return lam, mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1)
 
 
 def write_rows(buf: mx.array, start: int, rows: mx.array, axis: int = 2) -> mx.array:

@@ -45,7 +45,7 @@ from ..core.config import OIQConfig
 from ..kernels import dispatch
 from .batch import BatchOIQKVCache, detached_copy
 from .common import (SELECT_FIRST, ZERO, center_one, center_pair, check_update, expected_signs, grow, halves,
-                     pad_last, write_rows)
+                     kept_rows, pad_last, pair_tables, write_rows)
 from .files import cache_state, restore_state
 from .prefill import PIECE_ROWS, PromptPacking, eval_now
 from .reading import CacheReads
@@ -54,17 +54,6 @@ from .side import SideStorage
 # Packing more rows than this at once (a prompt) quantizes keys and values one after the other,
 # which halves the reference quantizer's temporaries; a decode step's block goes in one pass.
 _STACK_MAX_ROWS = 64
-
-
-def _kept_rows(buf, drop: int, used: int, cap: int, shape, dtype) -> mx.array:
-    """A new buffer of ``shape`` (``cap`` rows on axis -2) holding rows ``[drop, used)`` of ``buf``
-    first: those rows copied once and only the rest zero-filled."""
-    if buf is None or used <= drop:
-        return mx.zeros(shape, dtype)
-    kept = buf[..., drop:used, :]
-    if used - drop == cap:
-        return mx.array(kept)
-    return mx.concatenate([kept, mx.zeros((*shape[:-2], cap - (used - drop), shape[-1]), dtype)], axis=-2)
 
 
 class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
@@ -261,11 +250,11 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         drop, used = keep_from - self.recent_start, self.offset - self.recent_start
         cap = -(-(end - keep_from) // self.recent_step) * self.recent_step
         if self.k.dim == self.v.dim:
-            self._kv_recent = _kept_rows(self._kv_recent, drop, used, cap, (2, *bh, cap, self.k.dim), self.dtype)
+            self._kv_recent = kept_rows(self._kv_recent, drop, used, (2, *bh, cap, self.k.dim), self.dtype)
             self.k.recent, self.v.recent = halves(self._kv_recent)
         else:
             for side in (self.k, self.v):
-                side.recent = _kept_rows(side.recent, drop, used, cap, (*bh, cap, side.dim), self.dtype)
+                side.recent = kept_rows(side.recent, drop, used, (*bh, cap, side.dim), self.dtype)
         self.recent_start = keep_from
 
     def packed_end(self, offset: int) -> int:
@@ -450,12 +439,8 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         if self._stacked is None:
             # per-layer constants of the stacked pass, built once (statistics never change after
             # the first chunk): 2 x (B, H, 1, d) key scales and 2 x d signs
-            lam = None
-            if k.lam is not None or v.lam is not None:
-                ref = k.lam if k.lam is not None else v.lam
-                lam = mx.stack([mx.ones_like(ref) if s.lam is None else s.lam for s in (k, v)])
-            self._stacked = (lam, mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1))
-            mx.eval(self._stacked)
+            self._stacked = pair_tables(k, v)
+            mx.eval([x for x in self._stacked if x is not None])
         lam, signs = self._stacked
         if k.fp4:
             return dispatch.quantize_fp4_rows(self._kv_recent[:, :, :, a:b], cfg.storage, lam=lam, signs=signs,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .common import SELECT_FIRST, ZERO, HostMemo, center_pair, halves, pad_last
+from .common import SELECT_FIRST, ZERO, HostMemo, center_pair, halves, pad_last, pair_tables
 from ..core.codec import split_rows
 from ..kernels import dispatch
 
@@ -228,9 +228,7 @@ class StackedDecode:
         # what packing several sequences in one pass reads: both sides' key scales (ones for a
         # side without) and signs, stacked on a new first axis as one cache's pass stacks them
         k, v = self.k, self.v
-        self._lam2 = None if k.lam is None and v.lam is None else mx.stack(
-            [mx.ones_like(k.lam if v.lam is None else v.lam) if x.lam is None else x.lam for x in (k, v)])
-        self._signs2 = mx.stack([k.signs, v.signs]).reshape(2, 1, 1, 1, -1) if k.signs.shape == v.signs.shape else None
+        self._lam2, self._signs2 = pair_tables(k, v)
         # the stacked statistics are built once per batch membership, not in every step's graph
         mx.eval([x for x in (k.mean, k.lam, v.mean, v.lam, self._lam2, self._signs2) if x is not None])
         self._segments = None
@@ -282,11 +280,18 @@ class StackedDecode:
         step, when one will at the next step.  So a packing step grows nothing unless every step
         of a block packs (16 sequences or more in distinct phases)."""
         s, cap = self.config.sink_tokens, self.rows[0].shape[3]
-        first = self.caches[0]
         nxt = max(c.packed_end(o + 1) for c, o in zip(self.caches, self.offsets)) - s
         soon = max(c.packed_end(o + c.block) for c, o in zip(self.caches, self.offsets)) - s
         if nxt > cap or (not packed_now and soon > cap):
-            self.rows = tuple(_pad_rows(r, _round_up(soon, first.growth_step(cap))) for r in self.rows)
+            self._packed_room(soon)
+
+    def _packed_room(self, needed: int):
+        """Make the stacked packed buffers hold ``needed`` rows per sequence, growing them as one
+        sequence's would grow (:meth:`OIQKVCache.growth_step` of the rows they hold)."""
+        cap = self.rows[0].shape[3]
+        if needed > cap:
+            step = self.caches[0].growth_step(cap)
+            self.rows = tuple(_pad_rows(r, _round_up(needed, step)) for r in self.rows)
 
     def _pack_due(self, due):
         """Pack the block of each sequence in ``due`` (``(i, cache, target)``): the sequences
@@ -311,18 +316,17 @@ class StackedDecode:
         idx = [i for i, _, _ in due]
         n = due[0][2] - self.q_end[idx[0]]
         qa = [self.q_end[i] - s for i in idx]
+        a = [self.q_end[i] - self.recent_start[i] for i in idx]  # the block's first row in the window
         first = due[0][1]
-        if max(qa) + n > self.rows[0].shape[3]:
-            cap = _round_up(max(qa) + n, first.growth_step(self.rows[0].shape[3]))
-            self.rows = tuple(_pad_rows(r, cap) for r in self.rows)
+        self._packed_room(max(qa) + n)
         _, B, H, R, d = self.recent.shape
         P = self.rows[0].shape[3]
-        key = (B, H, R, P, tuple(idx), n, tuple(self.q_end[i] - self.recent_start[i] for i in idx), tuple(qa))
+        key = (B, H, R, P, tuple(idx), n, tuple(a), tuple(qa))
 
         def build():
             blk = np.arange(n)[None, None, :]
             seq, head = np.array(idx)[:, None, None], np.arange(H)[None, :, None]
-            src = (seq * H + head) * R + np.array([self.q_end[i] - self.recent_start[i] for i in idx])[:, None, None]
+            src = (seq * H + head) * R + np.array(a)[:, None, None]
             dst = (seq * H + head) * P + np.array(qa)[:, None, None]
             # flat row indices over both sides (keys then values): one gather, one scatter per buffer
             side = np.arange(2)[:, None]
@@ -374,8 +378,7 @@ class StackedDecode:
         s = self.config.sink_tokens
         a, b = self.q_end[i] - self.recent_start[i], target - self.recent_start[i]
         qa, qb = self.q_end[i] - s, target - s
-        if qb > self.rows[0].shape[3]:
-            self.rows = tuple(_pad_rows(r, _round_up(qb, c.growth_step(self.rows[0].shape[3]))) for r in self.rows)
+        self._packed_room(qb)
         if _estimates_now(c):
             self._estimate(i, c)
         c._kv_recent = self.recent[:, i : i + 1]
