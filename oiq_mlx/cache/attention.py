@@ -13,8 +13,10 @@ Two reference paths (plain MLX ops), picked by the number of queries:
 * decode (``L <= DECODE_MAX_QUERIES``): scores of the full-precision segments
   by matmul and of the packed segment by ``mx.quantized_matmul`` on the codes
   (no float copy of the quantized cache is made); one softmax over all
-  segments; the elementwise steps are compiled, so a step of one layer is
-  about as many operations as mlx-lm's ``QuantizedKVCache`` (DESIGN.md section 5);
+  segments; the elementwise steps are compiled.  On the CPU, values of 2, 3,
+  5 or 6 bits are first repacked to 8 bits (``codec.repack_codes``:
+  the same codes, a few fused passes), the width MLX's CPU kernel reads
+  several times faster (DESIGN.md section 5);
 * prefill: the packed segment is dequantized into the window's domain for
   this layer only and ``mx.fast.scaled_dot_product_attention`` runs on the
   keys/values, so peak memory stays that of the full-precision cache of one
@@ -34,7 +36,7 @@ import mlx.core as mx
 from ..kernels import dispatch
 from ..core import fp4, rotation
 from .common import halves, pad_last
-from ..core.codec import SUPPORTED_BITS
+from ..core.codec import CPU_REPACK_BITS, SUPPORTED_BITS, repack_codes
 from ..kernels import selftest
 from ..kernels.decode_attention import OUT_DTYPES, decode_attention, query_rows_per_chunk
 
@@ -303,7 +305,12 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
             packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, transpose=False, group_size=gs, bits=4,
                                          mode=mode)
         else:
-            packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, vb, transpose=False, group_size=gs, bits=v.bits)
+            bits = v.bits
+            if bits in CPU_REPACK_BITS and mx.default_device() == mx.cpu:
+                # MLX's CPU kernel reads 2/3/5/6-bit rows this way several times more slowly than
+                # 4/8-bit ones: the same codes repacked to 8 bits cost a few fused passes
+                vc, bits = repack_codes(vc, bits, CPU_REPACK_BITS[bits]), CPU_REPACK_BITS[bits]
+            packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, vb, transpose=False, group_size=gs, bits=bits)
         i += n
     if recent_v is not None:
         window = p[..., i:] @ recent_v

@@ -184,3 +184,36 @@ def test_bad_inputs():
         dequantize(codes, scales[:, :1], 4, 32)
     with pytest.raises(ValueError, match="uint32"):
         dequantize(codes.astype(mx.int32), scales, 4, 32)
+
+
+@pytest.mark.parametrize("bits", sorted(codec.CPU_REPACK_BITS))
+@pytest.mark.parametrize("rows", [1, 63, 64, 1500])
+def test_repack_codes_keeps_every_code(bits, rows):
+    """Codes repacked for MLX's fast CPU widths decode to the same values: unpacked, and through
+    ``mx.quantized_matmul(transpose=False)`` with the original scales and biases (bit-exact)."""
+    to = codec.CPU_REPACK_BITS[bits]
+    rng = np.random.default_rng(bits * 1000 + rows)
+    codes = mx.array(rng.integers(0, 1 << bits, size=(2, 3, rows, 64)).astype(np.uint32))
+    packed = codec.pack_codes(codes, bits)
+    # a strided view of joined rows (codes then scales), as the cache hands them over
+    joined = mx.concatenate([packed, mx.zeros((2, 3, rows, 1), mx.uint32)], axis=-1)[..., : packed.shape[-1]]
+    out = codec.repack_codes(joined, bits, to)
+    assert out.shape == (2, 3, rows, 64 * to // 32) and out.dtype == mx.uint32
+    assert mx.array_equal(codec.unpack_codes(out, to), codes).item()
+    scales = mx.array(rng.uniform(0.5, 2.0, size=(2, 3, rows, 2)).astype(np.float32))
+    biases = codec.affine_biases(scales, bits)
+    p = mx.array(rng.standard_normal((2, 3, 4, rows)).astype(np.float32))
+    want = mx.quantized_matmul(p, packed, scales, biases, transpose=False, group_size=32, bits=bits)
+    got = mx.quantized_matmul(p, out, scales, biases, transpose=False, group_size=32, bits=to)
+    assert mx.array_equal(got, want).item()
+
+
+def test_repack_codes_bad_widths():
+    packed = codec.pack_codes(mx.zeros((4, 32), mx.uint32), 3)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        codec.repack_codes(packed, 3, 2)
+    with pytest.raises(ValueError, match="4 or 8 bits"):
+        codec.repack_codes(packed, 5, 4)
+    with pytest.raises(ValueError, match="chunks"):
+        codec.repack_codes(packed[:, :2], 3, 4)
+    assert codec.repack_codes(packed, 3, 3) is packed
