@@ -444,7 +444,7 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
         lam, signs = self._stacked
         if k.fp4:
             return dispatch.quantize_fp4_rows(self._kv_recent[:, :, :, a:b], cfg.storage, lam=lam, signs=signs,
-                                              rotate=rotate)
+                                              rotate=rotate, clip=cfg.clip)
         return dispatch.quantize_rows(self._kv_recent[:, :, :, a:b], k.bits, cfg.group_size, clip=k.clip, lam=lam,
                                       signs=signs, rotate=rotate, joined=True, align=cfg.align_scales)
 

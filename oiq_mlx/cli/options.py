@@ -153,9 +153,9 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--storage", choices=list(STORAGES), default=None,
                    help="how packed rows store values: int (integer codes, float16 scales; every preset "
                         "except fp4), mxfp4 (E2M1 values, one E8M0 scale per 32; needs --k-bits 4 --v-bits 4 "
-                        "--group-size 32 --no-clip --no-align-scales) or nvfp4 (E2M1, "
-                        "one E4M3 scale per 16; --group-size 16); fp4 attention runs MLX's own fp4 "
-                        "quantized matmul")
+                        "--group-size 32 --no-align-scales; --clip searches each group's exponent, --no-clip "
+                        "takes MLX's) or nvfp4 (E2M1, one E4M3 scale per 16; --group-size 16 --no-clip); fp4 "
+                        "attention runs MLX's own fp4 quantized matmul")
     o.add_argument("--no-oiq", action="store_true", help="use mlx-lm's ordinary full-precision cache (for comparison)")
 
 

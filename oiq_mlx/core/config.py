@@ -107,7 +107,8 @@ class OIQConfig:
             this many tokens (mlx-lm's ``quantized_kv_start``).
         clip: choose each group's scale by a per-group MSE search instead of
             abs-max (every preset clips; at 4 bits only together with
-            ``align_scales``, see below).
+            ``align_scales``, see below).  With ``storage="mxfp4"``, the search
+            over each group's E8M0 exponent (``storage`` below).
         align_scales: keep the codes so chosen but store for each group the
             scale ``sum(y*y) / sum(y*u)`` (``u``: the codes centred), so that
             the stored group has the length the rotated vector has along itself
@@ -178,9 +179,11 @@ class OIQConfig:
             ``"mxfp4"`` (E2M1 values, one E8M0 power-of-two scale per 32: group_size 32) or
             ``"nvfp4"`` (E2M1, one E4M3 scale per 16: group_size 16), both through MLX's own fp4
             quantize and quantized matmul (``oiq_mlx.core.fp4``).  fp4 needs
-            ``k_bits = v_bits = 4``, ``clip`` and ``align_scales`` off (MLX picks the scales) and
-            no ``layer_bits``; keys and values of one token share one packed row (68 bytes per
-            token and KV head at d = 64 for MXFP4).
+            ``k_bits = v_bits = 4``, ``align_scales`` off and no ``layer_bits``; keys and values
+            of one token share one packed row (68 bytes per token and KV head at d = 64 for
+            MXFP4).  With MXFP4, ``clip`` searches each group's power-of-two exponent: MLX's
+            and its two neighbours, the one of least squared error (``fp4.quantize``); off, MLX
+            picks it.  NVFP4 takes MLX's scales (``clip`` off).
     """
 
     k_bits: int = 5
@@ -236,8 +239,12 @@ class OIQConfig:
         if (self.k_bits, self.v_bits) != (4, 4):
             raise ValueError(f"storage={name!r} stores 4-bit E2M1 values: k_bits and v_bits must be 4, got "
                              f"{self.k_bits} and {self.v_bits}")
-        if self.clip or self.align_scales:
-            raise ValueError(f"storage={name!r} takes MLX's fp4 scales: clip and align_scales must be False")
+        if self.align_scales:
+            raise ValueError(f"storage={name!r} stores E8M0 / E4M3 scale bytes, no aligned scales: align_scales "
+                             "must be False")
+        if self.clip and name != "mxfp4":
+            raise ValueError(f"storage={name!r} takes MLX's E4M3 scales: clip must be False (clip=True is "
+                             "the exponent search of storage='mxfp4')")
         if self.layer_bits:
             raise ValueError(f"storage={name!r} stores every layer at 4 bits: layer_bits must be empty")
 

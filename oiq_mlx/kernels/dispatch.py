@@ -124,15 +124,16 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
     return codec.join_rows(*out) if joined else out
 
 
-def quantize_fp4_rows(x: mx.array, mode: str, *, lam: mx.array | None, signs: mx.array, rotate: bool = True):
+def quantize_fp4_rows(x: mx.array, mode: str, *, lam: mx.array | None, signs: mx.array, rotate: bool = True,
+                      clip: bool = False):
     """Joined fp4 rows (``fp4.join_pair``) of window rows entering the packed segment: keys and
-    values stacked on the first axis, ``x`` ``(2, ..., n, d)``.  Plain MLX on every backend
-    (``mx.quantize(mode=)``): the int kernels never see fp4 data, and need not, since MLX
-    quantizes fp4 natively."""
+    values stacked on the first axis, ``x`` ``(2, ..., n, d)``; ``clip``: MXFP4's exponent search
+    (``fp4.quantize``).  Plain MLX on every backend (``mx.quantize(mode=)``): the int kernels
+    never see fp4 data, and need not, since MLX quantizes fp4 natively."""
     y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
     if rotate:
         y = rotation.hadamard(y)
-    return fp4.quantize_pair(y, mode)
+    return fp4.quantize_pair(y, mode, clip=clip)
 
 
 # -- dequantize -----------------------------------------------------------------

@@ -24,7 +24,9 @@ from oiq_mlx.mlx_lm.caches import make_oiq_cache
 FP4 = dict(k_bits=4, v_bits=4, clip=False, align_scales=False)
 MX = OIQConfig(storage="mxfp4", group_size=32, sink_tokens=3, window=16, trim_reserve=16, **FP4)
 NV = OIQConfig(storage="nvfp4", group_size=16, sink_tokens=3, window=16, trim_reserve=16, center_values=True, **FP4)
-CONFIGS = pytest.mark.parametrize("cfg", [MX, NV], ids=["mxfp4", "nvfp4"])
+MXC = OIQConfig(storage="mxfp4", group_size=32, sink_tokens=3, window=16, trim_reserve=16, k_bits=4, v_bits=4,
+                clip=True, align_scales=False)  # the exponent search
+CONFIGS = pytest.mark.parametrize("cfg", [MX, NV, MXC], ids=["mxfp4", "nvfp4", "mxfp4-clip"])
 D = 64
 
 
@@ -42,8 +44,10 @@ def test_config_validation_names_the_problem():
         (dict(storage="nvfp4", k_bits=4, v_bits=4, group_size=32, clip=False, align_scales=False),
          "group_size must be 16"),
         (dict(storage="mxfp4", k_bits=5, v_bits=3, clip=False, align_scales=False), "k_bits and v_bits must be 4"),
-        (dict(storage="mxfp4", k_bits=4, v_bits=4, clip=True, align_scales=False), "clip and align_scales"),
-        (dict(storage="mxfp4", k_bits=4, v_bits=4, clip=False, align_scales=True), "clip and align_scales"),
+        (dict(storage="mxfp4", k_bits=4, v_bits=4, clip=True, align_scales=True), "align_scales must be False"),
+        (dict(storage="mxfp4", k_bits=4, v_bits=4, clip=False, align_scales=True), "align_scales must be False"),
+        (dict(storage="nvfp4", group_size=16, k_bits=4, v_bits=4, clip=True, align_scales=False),
+         "clip must be False"),
         (dict(storage="mxfp4", layer_bits="1:4:4", **FP4), "layer_bits must be empty"),
         (dict(group_size=16), "group_size=16 is not supported"),  # int storage: 16 stays refused
     ]
@@ -59,6 +63,13 @@ def test_config_validation_names_the_problem():
     text = OIQConfig().to_json().replace(', "storage": "int"', "")
     assert "storage" not in text and OIQConfig.from_json(text).storage == "int"
     assert OIQConfig.from_json(cfg.to_json()) == cfg
+    # clip=True with MXFP4 is the exponent search: accepted, same bytes, and it round-trips
+    searched = OIQConfig.preset("4bit", storage="mxfp4", k_bits=4, v_bits=4, align_scales=False)
+    assert searched.clip and searched.bytes_per_token(64) == 68
+    assert OIQConfig.from_json(searched.to_json()) == searched
+    with pytest.raises(ValueError, match="clip must be False"):
+        OIQConfig.from_json(searched.to_json().replace('"mxfp4"', '"nvfp4"').replace('"group_size": 32',
+                                                                                      '"group_size": 16'))
 
 
 def test_cli_flag_sets_the_storage():
@@ -66,7 +77,10 @@ def test_cli_flag_sets_the_storage():
     add_oiq_options(p)
     args = p.parse_args("--preset 4bit --storage mxfp4 --k-bits 4 --v-bits 4 --no-clip --no-align-scales".split())
     cfg = config_from_args(args)
-    assert cfg.storage == "mxfp4" and cfg.window == OIQConfig.preset("4bit").window
+    assert cfg.storage == "mxfp4" and cfg.window == OIQConfig.preset("4bit").window and not cfg.clip
+    searched = config_from_args(p.parse_args("--preset 4bit --storage mxfp4 --k-bits 4 --v-bits 4 "
+                                             "--no-align-scales".split()))
+    assert searched.storage == "mxfp4" and searched.clip  # the preset's clip: the exponent search
     with pytest.raises(ValueError, match="k_bits and v_bits must be 4"):
         config_from_args(p.parse_args("--preset 4bit --storage mxfp4".split()))
     with pytest.raises(SystemExit):
@@ -114,6 +128,79 @@ def test_codec_non_finite_group_decodes_to_nan_and_alone(mode):
     np.testing.assert_array_equal(out[1, : D - g], clean[1, : D - g])
 
 
+def _group_errors(y, codes, scales, g=32):
+    out = mx.dequantize(codes, scales, group_size=g, bits=4, mode="mxfp4", dtype=mx.float32)
+    return np.array(mx.sum(mx.square(out - y).reshape(*y.shape[:-1], -1, g), axis=-1))
+
+
+def test_e2m1_rounding_is_mlx_quantize_at_its_own_exponent():
+    """The search's own rounding (used for the neighbouring exponents) writes, at MLX's exponent,
+    the codes mx.quantize writes: the same nearest level, saturation and nibble layout."""
+    from oiq_mlx.core.codec import pack_codes
+
+    for i, spread in enumerate((0.01, 1.0, 300.0)):
+        y = mx.random.normal((50, 2 * D), key=mx.random.key(20 + i)) * spread
+        codes, scales = mx.quantize(y, group_size=32, bits=4, mode="mxfp4")[:2]
+        inv = mx.power(mx.array(2.0), 127 - scales.astype(mx.float32))
+        mine = pack_codes(fp4.e2m1_codes(y.reshape(50, -1, 32) * inv[..., None]).reshape(y.shape), 4)
+        assert mx.array_equal(mine, codes)
+
+
+def test_exponent_search_never_worse_per_group_and_better_on_gaussian_rows():
+    y = mx.random.normal((8, 64, D), key=mx.random.key(31))
+    mlx_codes, mlx_scales = fp4.quantize(y, "mxfp4")
+    codes, scales = fp4.quantize(y, "mxfp4", clip=True)
+    assert codes.shape == mlx_codes.shape and codes.dtype == mx.uint32
+    assert scales.shape == mlx_scales.shape and scales.dtype == mx.uint8
+    e_mlx, e = _group_errors(y, mlx_codes, mlx_scales), _group_errors(y, codes, scales)
+    assert (e <= e_mlx).all()
+    assert e.sum() < 0.97 * e_mlx.sum()  # Gaussian groups of 32: about 7% less squared error
+    # each group moved its exponent by at most one; where it kept MLX's, it kept MLX's codes
+    step = np.array(scales).astype(int) - np.array(mlx_scales).astype(int)
+    assert set(np.unique(step)) <= {-1, 0, 1} and (step != 0).any()
+    words = np.array(codes).reshape(*step.shape, 4)
+    mlx_words = np.array(mlx_codes).reshape(*step.shape, 4)
+    np.testing.assert_array_equal(words[step == 0], mlx_words[step == 0])
+    # a changed group is exactly E2M1 at its stored exponent: level x 2^(e - 127), saturated at 6
+    out = np.array(fp4.dequantize(codes, scales, "mxfp4")).reshape(*step.shape, 32)
+    unit = np.exp2(np.array(scales).astype(np.float64) - 127)[..., None]
+    levels = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    yn = np.array(y, np.float64).reshape(out.shape) / unit
+    nearest = np.sign(yn) * levels[np.abs(np.abs(yn)[..., None] - levels).argmin(-1)]
+    np.testing.assert_allclose(out / unit, nearest, atol=1e-6)
+    # the cache's joined rows carry the searched codes and scales, split back as views
+    rows = fp4.quantize_pair(mx.stack([y, 2 * y]), "mxfp4", clip=True)
+    got = fp4.split_pair(rows, D, "mxfp4", 0)
+    assert mx.array_equal(got[0], codes) and mx.array_equal(got[1], scales)
+    with pytest.raises(ValueError, match="serves mxfp4"):
+        fp4.quantize(y, "nvfp4", clip=True)
+
+
+def test_exponent_search_edges_non_finite_zero_tiny_and_huge_groups():
+    base = np.array(mx.random.normal((6, D), key=mx.random.key(40)))
+    base[0, 5] = np.nan  # a NaN group: codes 0, the NaN scale, decodes to NaN
+    base[1, D - 1] = -np.inf
+    base[2, :32] = 0.0  # a zero group decodes to zeros
+    base[3, :32] *= 1e-30  # tiny and huge groups: scale bytes far from 127, never the NaN byte
+    base[4, :32] = np.linspace(-1e38, 1e38, 32)
+    base[5, 32:] = np.r_[np.full(31, 0.01), 6.0]  # one outlier: the search keeps MLX's exponent
+    y = mx.array(base.astype(np.float32))
+    codes, scales = fp4.quantize(y, "mxfp4", clip=True)
+    c, s = np.array(codes).reshape(6, 2, 4), np.array(scales)
+    out = np.array(fp4.dequantize(codes, scales, "mxfp4"))
+    assert s[0, 0] == 0xFF and (c[0, 0] == 0).all() and np.isnan(out[0, :32]).all()
+    assert s[1, 1] == 0xFF and (c[1, 1] == 0).all() and np.isnan(out[1, 32:]).all()
+    assert (out[2, :32] == 0).all() and np.isfinite(out[2:]).all()
+    assert s[3, 0] < 40 and s[4, 0] > 240 and (s[2:] != 0xFF).all()
+    for row in range(6):  # the other groups: never worse than MLX's
+        clean = mx.array(np.where(np.isfinite(base[row]), base[row], 0)[None].astype(np.float32))
+        fine = np.isfinite(base[row]).reshape(2, 32).all(-1)
+        e = _group_errors(clean, codes[row : row + 1], scales[row : row + 1])[0]
+        e_mlx = _group_errors(clean, *fp4.quantize(clean, "mxfp4"))[0]
+        assert (e[fine] <= e_mlx[fine]).all()
+    assert s[5, 1] == np.array(fp4.quantize(y, "mxfp4")[1])[5, 1]
+
+
 # ---------------------------------------------------------------- the cache
 
 
@@ -132,9 +219,12 @@ def test_packed_rows_are_the_rotated_rows_in_fp4(cfg):
     assert cache.k.scales.dtype == mx.uint8 and cache.k.codes.shape[-1] == D // 8
     for side, x in ((cache.k, k), (cache.v, v)):
         centered = x[:, :, s:q_end].astype(mx.float32) - (0 if side.mean is None else side.mean)
-        want = fp4.quantize(side.window_to_packed(centered), cfg.storage)
+        want = fp4.quantize(side.window_to_packed(centered), cfg.storage, clip=cfg.clip)
         n = q_end - s
         assert mx.array_equal(side.codes[:, :, :n], want[0]) and mx.array_equal(side.scales[:, :, :n], want[1])
+        if cfg.clip:  # the search moved some exponents away from MLX's
+            assert not mx.array_equal(side.scales[:, :, :n], fp4.quantize(side.window_to_packed(centered),
+                                                                          cfg.storage)[1])
     kd, vd = cache.dequantized_kv()
     for got, x in ((kd, k), (vd, v)):
         x = x[:, :, : cache.offset]
