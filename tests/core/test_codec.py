@@ -186,12 +186,13 @@ def test_bad_inputs():
         dequantize(codes.astype(mx.int32), scales, 4, 32)
 
 
-@pytest.mark.parametrize("bits", sorted(codec.CPU_REPACK_BITS))
+@pytest.mark.parametrize("bits,to", [(b, t) for b in sorted(codec.CPU_REPACK_BITS) for t in (4, 8) if t > b])
 @pytest.mark.parametrize("rows", [1, 63, 64, 1500])
-def test_repack_codes_keeps_every_code(bits, rows):
-    """Codes repacked for MLX's fast CPU widths decode to the same values: unpacked, and through
-    ``mx.quantized_matmul(transpose=False)`` with the original scales and biases (bit-exact)."""
-    to = codec.CPU_REPACK_BITS[bits]
+def test_repack_codes_keeps_every_code(bits, to, rows):
+    """Codes repacked for MLX's fast CPU widths (the cache's ``CPU_REPACK_BITS`` and 4 bits)
+    decode to the same values: unpacked, and through ``mx.quantized_matmul(transpose=False)``
+    with the original scales and biases (bit-exact)."""
+    assert codec.CPU_REPACK_BITS[bits] in (4, 8)
     rng = np.random.default_rng(bits * 1000 + rows)
     codes = mx.array(rng.integers(0, 1 << bits, size=(2, 3, rows, 64)).astype(np.uint32))
     packed = codec.pack_codes(codes, bits)
