@@ -29,26 +29,17 @@ import mlx.core as mx
 import numpy as np
 
 from oiq_mlx.eval.quality import load_model, load_text
-from oiq_mlx.mlx_lm.routing import capture_attention_inputs
-from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.codec import dequantize, quantize
 from oiq_mlx.core.config import OIQConfig
+from oiq_mlx.eval.rotation import packed_rows
 
 
 def packed_domain(model, ids, config):
     """Per side, the (n, group_size) groups the cache would quantize for ``ids``."""
-    out = {"keys": [], "values": []}
-    for r in capture_attention_inputs(model, ids):
-        if r["layer"] is None or r["cache_type"] != "KVCache":
-            continue
-        c = OIQKVCache(config, layer_idx=r["layer"])
-        c.update_and_fetch(r["keys"], r["values"])
-        for name, side, x in (("keys", c.k, r["keys"]), ("values", c.v, r["values"])):
-            x = x.astype(mx.float32)[:, :, config.sink_tokens :]
-            if side.mean is not None:
-                x = x - side.mean
-            out[name].append(np.array(side.window_to_packed(x)).reshape(-1, config.group_size))
-    return {k: np.concatenate(v) for k, v in out.items()}
+    rows = packed_rows(model, ids, config)
+    return {name: np.concatenate([x.reshape(-1, config.group_size).astype(np.float32)
+                                  for (_, s), (x, _) in sorted(rows.items()) if s == side])
+            for side, name in (("k", "keys"), ("v", "values"))}
 
 
 def fit(groups, dim, size, rng, iters=25):
