@@ -53,9 +53,7 @@ def main(argv=None):
     progress = Progress(enabled=not args.quiet)
     t0 = time.perf_counter()
     model, tokenizer, path = load_model(args.model)
-    if args.key_bias:
-        channels = fidelity.add_key_bias(model, ratio=args.key_bias)
-        progress(f"k_proj bias {args.key_bias} x median channel RMS on channels {channels}")
+    fidelity.key_bias_stand_in(model, args.key_bias, progress)
     tokens = tokenizer.encode(load_text(args.text))
     rows = fidelity.sweep(model, tokens, specs, prompt_len=args.prompt, score_len=args.scored,
                           chunk=args.chunk, windows=args.windows, progress=progress)

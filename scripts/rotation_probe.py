@@ -110,9 +110,7 @@ def main(argv=None):
     progress = Progress(enabled=not args.quiet)
     t0 = time.perf_counter()
     model, tokenizer, path = load_model(args.model)
-    if args.key_bias:
-        channels = fidelity.add_key_bias(model, ratio=args.key_bias)
-        progress(f"k_proj bias {args.key_bias} x median channel RMS on channels {channels}")
+    fidelity.key_bias_stand_in(model, args.key_bias, progress)
     result = (run_mse if args.mode == "mse" else run_ppl)(args, model, tokenizer, progress)
     progress(f"done in {time.perf_counter() - t0:.0f} s")
     if args.json:

@@ -125,7 +125,7 @@ def fold_value_rotations(model, rows: dict) -> int:
             continue
         attn = block.self_attn
         for name in ("v_proj", "o_proj"):
-            if not isinstance(getattr(attn, name), nn.Linear) or isinstance(getattr(attn, name), nn.QuantizedLinear):
+            if not isinstance(getattr(attn, name), nn.Linear):  # nn.QuantizedLinear is not one
                 raise ValueError(f"fold_value_rotations needs dense {name} weights (load with dequantize=True)")
         x, signs = rows[(layer, "v")]
         m = np.array(rotation_matrix(signs)).astype(np.float64)  # rotate(v) = v @ m

@@ -14,7 +14,8 @@ cosine).  This module adds:
   head (keys + values; asymptotic, and everything the cache allocates at the end
   of the evaluation, from ``nbytes`` with float16 keys and values) next to its
   perplexity change, KL and top-1;
-* :func:`add_key_bias` and :func:`tiny_qwen2`: stand-ins for Qwen2-family keys
+* :func:`add_key_bias` (:func:`key_bias_stand_in`: the scripts' ``--key-bias``) and
+  :func:`tiny_qwen2`: stand-ins for Qwen2-family keys
   (a ``k_proj`` bias that puts a few channels at ~25x the median key-channel
   norm), on a real llama-style model or a random-weight mlx-lm qwen2 model.
 
@@ -145,6 +146,17 @@ def add_key_bias(model, ratio: float = 25.0, n_pairs: int = 2, seed: int = 0) ->
         new.bias = (old_bias + bias.reshape(-1)).astype(w.dtype)
         attn.k_proj = new
     mx.eval(model.parameters())
+    return channels
+
+
+def key_bias_stand_in(model, ratio: float, progress=None) -> list[int]:
+    """The scripts' ``--key-bias RATIO``: :func:`add_key_bias` at ``ratio`` when it is nonzero,
+    told to ``progress``; returns the channels biased (none for 0)."""
+    if not ratio:
+        return []
+    channels = add_key_bias(model, ratio=ratio)
+    if progress is not None:
+        progress(f"k_proj bias {ratio} x median channel RMS on channels {channels}")
     return channels
 
 

@@ -101,6 +101,18 @@ def test_add_key_bias_makes_outlier_channels():
     assert mx.min(ratio).item() > 10
 
 
+def test_key_bias_stand_in_biases_only_when_asked_and_says_where():
+    model = tiny_llama(head_dim=64, n_heads=4, n_kv_heads=2, layers=1)
+    said = []
+    assert fidelity.key_bias_stand_in(model, 0.0, said.append) == []
+    assert said == [] and "bias" not in model.layers[0].self_attn.k_proj
+    channels = fidelity.key_bias_stand_in(model, 25.0, said.append)
+    assert channels == fidelity.low_frequency_channels(64, 2)
+    assert len(said) == 1 and str(channels) in said[0]
+    bias = model.layers[0].self_attn.k_proj.bias.reshape(2, 64)
+    assert mx.all(mx.abs(bias[:, mx.array(channels)]) > 0).item()
+
+
 @pytest.fixture(scope="module")
 def qwen2_fidelity():
     model = fidelity.tiny_qwen2(bias_ratio=25.0)
