@@ -1,99 +1,131 @@
 #!/usr/bin/env python
-"""Would a 2-bit codebook beat the preset's clipped uniform grid at equal bytes?
+"""Would a vector codebook beat the presets' scalar grid at equal bytes, or reach 1.5 bits?
 
-A probe of the codebook lever (DESIGN.md section 9), on the data OIQ actually quantizes: the keys
-and values a model produces on a text, after the cache's own transforms (mean
-removed, key scaling, randomized Hadamard rotation; sink tokens left out), in
-groups of ``group_size`` coordinates with one float16 scale per group and 2 bits
-per coordinate in every variant:
+A probe of the codebook idea (oiq_mlx/eval/codebook.py; docs/results.md, "Vector codebooks"):
+blocks of K rotated coordinates share one data-free codebook of C points, fitted by Lloyd's
+algorithm to Gaussian groups.  Each group of 32 coordinates keeps one float16 scale, searched.
+The rate is log2(C)/K bits per coordinate: vq-4x256 is 2 bits, vq-4x64 is 1.5 bits.
+uniform-B is the integer codec's B-bit grid under the same scale search.
 
-  uniform    the ``2bit`` preset: 4 evenly spaced levels, MSE-clipped abs-max scale
-             (``codec.quantize(clip=True)``)
-  lloyd-max  4 scalar levels fitted by Lloyd's algorithm to the pooled,
-             RMS-normalized coordinates; per-group scale searched
-  vq-2d      16 codewords in R^2 (k-means on normalized coordinate pairs, 4 bits per
-             pair); per-group scale searched
+  mse   relative squared error ||x - x_hat||^2 / ||x||^2 on the rows a cache of --preset packs
+        on the text (after its mean removal, key scaling and randomized Hadamard rotation;
+        sinks left out): the preset's own quantizer (clip search, aligned scales), then each
+        variant.
+  ppl   perplexity, KL and top-1 against the fp cache on the text (oiq_mlx.eval.sweep, as
+        scripts/fidelity_sweep.py measures them).  Each variant runs in a cache of --preset
+        whose pack step stores the variant's reconstruction in 8-bit codes
+        (eval.codebook.packing_through); the bytes shown are the variant's own, at 32 rotated
+        coordinates per float16 scale.  --caches run as they are, for comparison.
 
-Codebooks are fitted on one half of the groups and measured on the other.  Prints
-the relative squared error ||y - y_hat||^2 / ||y||^2 per side (equal to the mean
-relative error of a dot product with an isotropic query).  A few minutes on 2 CPU
-cores; numpy only past the model pass.
+The default text is Northanger Abbey, one of the texts the presets were tuned on.
 
-    python scripts/codebook_probe.py --text ../shared/data/northangerabbey.txt
+    python scripts/codebook_probe.py mse --variants uniform-2,vq-2x16,vq-4x256,vq-4x64   # ~1 min
+    python scripts/codebook_probe.py ppl --chunk 64 --variants vq-4x256                  # ~10 min
 """
 
 import argparse
+import json
+import os
+import sys
+import time
 
 import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
-import mlx.core as mx
-import numpy as np
 
-from oiq_mlx.eval.quality import load_model, load_text
-from oiq_mlx.core.codec import dequantize, quantize
 from oiq_mlx.core.config import OIQConfig
+from oiq_mlx.eval import codebook
+from oiq_mlx.eval import sweep as fidelity
+from oiq_mlx.eval.progress import Progress
+from oiq_mlx.eval.quality import environment, load_model, load_text
 from oiq_mlx.eval.rotation import packed_rows
+from oiq_mlx.eval.specs import split_spec_list
+from oiq_mlx.mlx_lm.caches import model_head_dim
 
 
-def packed_domain(model, ids, config):
-    """Per side, the (n, group_size) groups the cache would quantize for ``ids``."""
-    rows = packed_rows(model, ids, config)
-    return {name: np.concatenate([x.reshape(-1, config.group_size).astype(np.float32)
-                                  for (_, s), (x, _) in sorted(rows.items()) if s == side])
-            for side, name in (("k", "keys"), ("v", "values"))}
+def bundled(name: str) -> str:
+    """A text shipped in the package (``oiq_mlx/data``), as a path relative to the working directory."""
+    return os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "oiq_mlx", "data",
+                                        f"austen_{name}.txt"))
 
 
-def fit(groups, dim, size, rng, iters=25):
-    """A codebook of ``size`` points in R^dim for RMS-normalized groups (Lloyd / k-means)."""
-    z = (groups / (np.sqrt((groups**2).mean(1, keepdims=True)) + 1e-12)).reshape(-1, dim)
-    z = z[rng.choice(len(z), min(len(z), 400_000), replace=False)]
-    book = np.quantile(z, (np.arange(size) + 0.5) / size)[:, None] if dim == 1 else z[rng.choice(len(z), size, replace=False)]
-    for _ in range(iters):
-        idx = np.argmin(((z[:, None, :] - book[None]) ** 2).sum(-1), -1)
-        book = np.stack([z[idx == j].mean(0) if np.any(idx == j) else book[j] for j in range(size)])
-    return book.astype(np.float32)
+def tokens_of(tokenizer, path: str, n: int | None = None) -> list[int]:
+    ids = tokenizer.encode(load_text(path))
+    if n is not None and len(ids) < n:
+        sys.exit(f"{path} has {len(ids)} tokens, fewer than the {n} asked for")
+    return ids if n is None else ids[:n]
 
 
-def encode(groups, book, ratios=np.linspace(0.3, 1.6, 27)):
-    """Each group at its best float16 scale (RMS x ratio) and nearest codewords."""
-    rms = np.sqrt((groups**2).mean(1, keepdims=True)) + 1e-12
-    best, out = np.full(len(groups), np.inf), np.zeros_like(groups)
-    for a in ratios:
-        s = (rms * a).astype(np.float16).astype(np.float32)
-        z = (groups / s).reshape(len(groups), -1, book.shape[1])
-        h = book[np.argmin(((z[:, :, None, :] - book[None, None]) ** 2).sum(-1), -1)].reshape(groups.shape) * s
-        err = ((groups - h) ** 2).sum(1)
-        better = err < best
-        best[better], out[better] = err[better], h[better]
-    return out
+def run_mse(args, model, tokenizer, books, progress) -> dict:
+    cfg = OIQConfig.preset(args.preset)
+    rows = packed_rows(model, tokens_of(tokenizer, args.text, args.tokens), cfg)
+    result = codebook.packed_errors(rows, cfg, books, progress)
+    print(f"{os.path.basename(args.text)}, {args.tokens} tokens, rows of preset {args.preset} "
+          "(preset: its own quantizer)")
+    print(codebook.errors_table(result))
+    return result
+
+
+def run_ppl(args, model, tokenizer, books, progress) -> dict:
+    tokens = tokens_of(tokenizer, args.text)
+    kw = dict(prompt_len=args.prompt, score_len=args.scored, chunk=args.chunk, windows=args.windows, progress=progress)
+    specs = [fidelity.parse_spec(c) for c in split_spec_list(args.caches)] if args.caches else []
+    rows = fidelity.sweep(model, tokens, specs, **kw)
+    carrier = fidelity.parse_spec(f"preset:{args.preset}[k_bits=8,v_bits=8,seed={args.seed}]")
+    d = model_head_dim(model)
+    for v, book in books.items():
+        progress(f"{v}: {codebook.bits_per_coordinate(book):g} bits per coordinate, in a {args.preset} cache")
+        with codebook.packing_through(lambda y, book=book: codebook.reconstruct(y, book, carrier.oiq.group_size)):
+            row = fidelity.sweep(model, tokens, [carrier], **kw)[1]
+        row.update(name=f"{args.preset} + {v}", description=f"{carrier.description}, rows packed by {v}",
+                   bytes_per_token=codebook.packed_bytes(d, book, carrier.oiq.group_size), bytes_allocated=None)
+        rows.append(row)
+    print(f"{os.path.basename(args.text)}, prompt {args.prompt}, scored {args.scored}, chunk {args.chunk}, "
+          f"{args.windows} windows")
+    print(fidelity.frontier_table(rows))
+    return {"rows": rows, "scored": args.scored, "prompt": args.prompt, "chunk": args.chunk, "windows": args.windows}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["mse", "ppl"])
     p.add_argument("--model", default="demo", help="demo (SmolLM2-135M), gemma3, a .gguf path or an mlx-lm id")
-    p.add_argument("--text", help="plain-text file (default: the vendored Austen excerpt)")
-    p.add_argument("--tokens", type=int, default=1024, help="tokens of the text run through the model (default 1024)")
-    p.add_argument("--group-size", type=int, default=32, help="coordinates per float16 scale (default 32)")
+    p.add_argument("--key-bias", type=float, default=0.0, metavar="RATIO",
+                   help="Qwen-like stand-in: a k_proj bias of RATIO x the median key-channel RMS (as fidelity_sweep.py)")
+    p.add_argument("--preset", default="2bit", help="preset whose transforms (and, for ppl, cache) the variants use "
+                                                     "(default 2bit)")
+    p.add_argument("--variants", default="uniform-2,vq-2x16,vq-4x256,vq-2x8,vq-4x64",
+                   help="comma-separated codebooks: uniform-B (the B-bit grid) or vq-KxC (C points in R^K); "
+                        "default %(default)s")
+    p.add_argument("--text", default=bundled("northangerabbey"), help="text (default: bundled Northanger Abbey)")
+    p.add_argument("--tokens", type=int, default=1024, help="mse: positions of the text captured (default 1024)")
+    p.add_argument("--caches", default="preset:2bit",
+                   help="ppl: caches run as they are, comma-separated as fidelity_sweep.py names them "
+                        "(default %(default)s; empty: none)")
+    p.add_argument("--seed", type=int, default=0, help="ppl: rotation seed of the variants' caches (default 0)")
+    p.add_argument("--prompt", type=int, default=768, help="ppl: tokens prefilled per window (default 768)")
+    p.add_argument("--scored", type=int, default=256, help="ppl: tokens scored per window (default 256)")
+    p.add_argument("--chunk", type=int, default=1, help="ppl: tokens per call after the prompt (default 1)")
+    p.add_argument("--windows", type=int, default=3, help="ppl: text windows (default 3)")
+    p.add_argument("--json", metavar="PATH", help="write the settings and results as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     args = p.parse_args(argv)
-    model, tokenizer, _ = load_model(args.model)
-    ids = tokenizer.encode(load_text(args.text))[: args.tokens]
-    if len(ids) < args.tokens:
-        p.error(f"the text has {len(ids)} tokens, fewer than --tokens {args.tokens}")
-    cfg = OIQConfig.preset("2bit", group_size=args.group_size)
-    rng = np.random.default_rng(0)
-    print(f"{args.model}, {len(ids)} tokens, 2 bits per coordinate, group {args.group_size}: relative squared error")
-    for side, groups in packed_domain(model, ids, cfg).items():
-        rng.shuffle(groups)
-        train, test = groups[: len(groups) // 2], groups[len(groups) // 2 :]
-        codes, scales = quantize(mx.array(test), 2, args.group_size, clip=True)
-        variants = {
-            "uniform": np.array(dequantize(codes, scales, bits=2, group_size=args.group_size)),
-            "lloyd-max": encode(test, fit(train, 1, 4, rng)),
-            "vq-2d": encode(test, fit(train, 2, 16, rng)),
-        }
-        den = float((test**2).sum())
-        errs = {k: float(((test - h) ** 2).sum()) / den for k, h in variants.items()}
-        print(f"{side:6s} " + "  ".join(f"{k} {v:.4f} ({100 * (v / errs['uniform'] - 1):+.1f}%)" for k, v in errs.items())
-              + f"  [{len(test)} groups]")
+    try:
+        cfg = OIQConfig.preset(args.preset)
+        books = {v: codebook.parse_variant(v, cfg.group_size) for v in args.variants.split(",") if v}
+    except ValueError as e:
+        p.error(str(e))
+    if args.json:  # fail (or create the folder) now, not after a long run
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    progress = Progress(enabled=not args.quiet)
+    t0 = time.perf_counter()
+    model, tokenizer, path = load_model(args.model)
+    fidelity.key_bias_stand_in(model, args.key_bias, progress)
+    result = (run_mse if args.mode == "mse" else run_ppl)(args, model, tokenizer, books, progress)
+    progress(f"done in {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": ["python", "scripts/codebook_probe.py", *(argv or sys.argv[1:])], "model": args.model,
+                       "path": path, "settings": {k: v for k, v in vars(args).items() if k != "json"},
+                       "environment": environment(), **result}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ KL, top-1 per cache), an ``eval_quality.py`` file (every baseline in one run),
 a ``needle_stats.py`` results file (its report, the summary computed again from
 its trials), a ``bench_latency.py`` record (the model table; the views
 ``attention``, ``dispatch`` and ``bytes`` give its other three tables), a ``bench_server.py``
-record, a ``bench_sharded.py`` record or a ``rotation_probe.py`` result.  A needle file takes the view
-``caches=fp,oiq-4,...``: the caches to report, where its trials hold more.  The
-view ``summary`` takes a fidelity sweep, a ``bench_latency.py`` record and a
-``bench_server.py --memory-only`` record and gives the README's one table of
-the presets.
+record, a ``bench_sharded.py`` record, a ``rotation_probe.py`` or a ``codebook_probe.py`` result.
+A needle file takes the view ``caches=fp,oiq-4,...``: the caches to report, where its trials
+hold more.  The view ``summary`` takes a fidelity sweep, a ``bench_latency.py``
+record and a ``bench_server.py --memory-only`` record and gives the README's one
+table of the presets.
 
 ``scripts/docs_tables.py`` is the command-line front end: it rewrites every
 table, or with ``--check`` rewrites nothing and exits 1 naming the stale ones.
@@ -29,7 +29,7 @@ import json
 import re
 from pathlib import Path
 
-from ..eval import rotation
+from ..eval import codebook, rotation
 from ..eval.needle_stats import resummarize_needle
 from ..eval.report import markdown_table, needle_stats_markdown
 from ..eval.sweep import frontier_table
@@ -47,8 +47,9 @@ def load(path) -> dict:
 
 
 def kind_of(result: dict) -> str:
-    """Which command wrote ``result``: fidelity, quality, needle, latency, sharded, server, or
-    ``rotation_probe.py`` (rotation_fold: its ``ppl`` mode, rotation_errors: ``mse``)."""
+    """Which command wrote ``result``: fidelity (``fidelity_sweep.py``, and ``codebook_probe.py``'s
+    ``ppl`` mode), quality, needle, latency, sharded, server, ``rotation_probe.py`` (rotation_fold:
+    its ``ppl`` mode, rotation_errors: ``mse``) or ``codebook_probe.py mse`` (codebook_errors)."""
     if "rows" in result and "scored" in result:
         return "fidelity"
     if "bytes_per_token_head" in result:
@@ -65,8 +66,10 @@ def kind_of(result: dict) -> str:
         return "rotation_fold"
     if "errors" in result:
         return "rotation_errors"
+    if "codebook_errors" in result:
+        return "codebook_errors"
     raise ValueError("not a results file of fidelity_sweep.py, eval_quality.py, needle_stats.py, bench_latency.py, "
-                     "bench_server.py, bench_sharded.py or rotation_probe.py")
+                     "bench_server.py, bench_sharded.py, rotation_probe.py or codebook_probe.py")
 
 
 def fidelity_table(result: dict) -> str:
@@ -171,7 +174,7 @@ def render(args: list[str], base: Path) -> str:
         raise ValueError(f"a {kind} file has no view {view!r}")
     return {"fidelity": fidelity_table, "quality": quality_table, "needle": needle_table, "server": server_table,
             "sharded": sharded_table, "rotation_fold": rotation.fold_table,
-            "rotation_errors": rotation.errors_table}[kind](result)
+            "rotation_errors": rotation.errors_table, "codebook_errors": codebook.errors_table}[kind](result)
 
 
 def rewrite(text: str, base: Path) -> tuple[str, list[str]]:

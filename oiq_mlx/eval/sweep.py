@@ -92,10 +92,15 @@ def frontier_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['name']} | {r['bytes_per_token']:g} | {r['bytes_allocated']:.1f} | {r['ppl']:.3f} "
+            f"| {r['name']} | {r['bytes_per_token']:g} | {_allocated(r['bytes_allocated'])} | {r['ppl']:.3f} "
             f"| {100 * r['ppl_delta']:+.2f}% | {r['kl']:.4f} | {100 * r['top1']:.1f}% |"
         )
     return "\n".join(lines)
+
+
+def _allocated(b) -> str:
+    # None: a row measured through a carrier (scripts/codebook_probe.py), whose allocation is not its own
+    return "—" if b is None else f"{b:.1f}"
 
 
 # -- Qwen-like keys ----------------------------------------------------------------
