@@ -17,7 +17,9 @@ record, a ``bench_sharded.py`` record, a ``rotation_probe.py`` or a ``codebook_p
 A needle file takes the view ``caches=fp,oiq-4,...``: the caches to report, where its trials
 hold more.  The view ``summary`` takes a fidelity sweep, a ``bench_latency.py``
 record and a ``bench_server.py --memory-only`` record and gives the README's one
-table of the presets.
+table of the presets; the view ``spread`` takes fidelity sweeps (one configuration over
+rotation seeds each) and gives one row per file: mean and range of perplexity
+change and KL.
 
 ``scripts/docs_tables.py`` is the command-line front end: it rewrites every
 table, or with ``--check`` rewrites nothing and exits 1 naming the stale ones.
@@ -151,6 +153,21 @@ def summary_table(quality: dict, latency: dict, memory: dict) -> str:
     return "\n".join(lines)
 
 
+def spread_table(results: list[dict], names: list[str]) -> str:
+    """One row per fidelity file: the mean and range of its caches' perplexity change and KL
+    (fp left out), as over the rotation seeds of one configuration."""
+    lines = ["| file | caches | ppl vs fp: mean (range) | KL: mean (range) |", "|---|---:|---|---|"]
+    for name, result in zip(names, results):
+        if kind_of(result) != "fidelity":
+            raise ValueError(f"the spread view takes fidelity_sweep.py files, not {name}")
+        rows = [r for r in result["rows"] if r["kind"] != "fp"]
+        ppl = [100 * r["ppl_delta"] for r in rows]
+        kl = [r["kl"] for r in rows]
+        lines.append(f"| `{Path(name).name}` | {len(rows)} | {sum(ppl) / len(ppl):+.2f}% ({min(ppl):+.2f}% to "
+                     f"{max(ppl):+.2f}%) | {sum(kl) / len(kl):.4f} ({min(kl):.4f}-{max(kl):.4f}) |")
+    return "\n".join(lines)
+
+
 def render(args: list[str], base: Path) -> str:
     """The table a marker's arguments ask for; files relative to ``base``."""
     view = None
@@ -162,8 +179,10 @@ def render(args: list[str], base: Path) -> str:
     if view == "summary":
         by_kind = {kind_of(r): r for r in results}
         return summary_table(by_kind["fidelity"], by_kind["latency"], by_kind["server"])
+    if view == "spread":
+        return spread_table(results, args)
     if len(results) != 1:
-        raise ValueError(f"only the summary view takes several files, got {' '.join(args)}")
+        raise ValueError(f"only the summary and spread views take several files, got {' '.join(args)}")
     result = results[0]
     kind = kind_of(result)
     if kind == "latency":

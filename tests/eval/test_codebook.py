@@ -123,3 +123,24 @@ def test_packed_errors_compare_the_preset_with_each_codebook_and_render_as_a_doc
     assert docs_tables.kind_of(result) == "codebook_errors"
     table = codebook.errors_table(result)
     assert table.count("\n") == 4 and "| vq-2x8 | 32 |" in table
+
+
+def test_the_spread_view_gives_mean_and_range_over_a_files_caches(tmp_path):
+    import json
+
+    from oiq_mlx.bench import docs_tables
+
+    def sweep_file(name, deltas, kls):
+        rows = [{"name": "fp", "kind": "fp", "ppl_delta": 0.0, "kl": 0.0}] + [
+            {"name": f"s{i}", "kind": "oiq", "ppl_delta": d, "kl": k} for i, (d, k) in enumerate(zip(deltas, kls))]
+        (tmp_path / name).write_text(json.dumps({"rows": rows, "scored": 256}))
+        return name
+
+    a = sweep_file("a.json", [0.01, 0.03], [0.02, 0.04])
+    b = sweep_file("b.json", [0.02], [0.03])
+    table = docs_tables.render(["spread", a, b], tmp_path)
+    assert "| `a.json` | 2 | +2.00% (+1.00% to +3.00%) | 0.0300 (0.0200-0.0400) |" in table
+    assert "| `b.json` | 1 | +2.00% (+2.00% to +2.00%) | 0.0300 (0.0300-0.0300) |" in table
+    (tmp_path / "c.json").write_text(json.dumps({"codebook_errors": {}, "bytes": {}}))
+    with pytest.raises(ValueError, match="fidelity"):
+        docs_tables.render(["spread", "c.json"], tmp_path)
