@@ -25,38 +25,22 @@ on: calibration on Pride and Prejudice, evaluation on Northanger Abbey.
 """
 
 import argparse
-import json
 import os
-import sys
-import time
 
 import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
 
 from oiq_mlx.core.config import OIQConfig
-from oiq_mlx.eval import rotation
+from oiq_mlx.eval import probes, rotation
 from oiq_mlx.eval import sweep as fidelity
-from oiq_mlx.eval.progress import Progress
-from oiq_mlx.eval.quality import environment, load_model, load_text
-
-
-def bundled(name: str) -> str:
-    """A text shipped in the package (``oiq_mlx/data``), as a path relative to the working directory."""
-    return os.path.relpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "oiq_mlx", "data",
-                                        f"austen_{name}.txt"))
-
-
-def tokens_of(tokenizer, path: str, n: int | None = None) -> list[int]:
-    ids = tokenizer.encode(load_text(path))
-    if n is not None and len(ids) < n:
-        sys.exit(f"{path} has {len(ids)} tokens, fewer than the {n} asked for")
-    return ids if n is None else ids[:n]
+from oiq_mlx.eval.quality import bundled_text
+from oiq_mlx.eval.specs import split_spec_list
 
 
 def run_mse(args, model, tokenizer, progress) -> dict:
     cfg = OIQConfig.preset(args.preset)
     progress(f"capturing {args.calib_tokens} tokens of {args.calib} and {args.tokens} of {args.text}")
-    calib = rotation.packed_rows(model, tokens_of(tokenizer, args.calib, args.calib_tokens), cfg)
-    held = rotation.packed_rows(model, tokens_of(tokenizer, args.text, args.tokens), cfg)
+    calib = rotation.packed_rows(model, probes.tokens_of(tokenizer, args.calib, args.calib_tokens), cfg)
+    held = rotation.packed_rows(model, probes.tokens_of(tokenizer, args.text, args.tokens), cfg)
     result = rotation.packed_errors(calib, held, cfg, eval_from=args.eval_from, online=args.online, progress=progress)
     print(f"{args.preset}: relative squared error of the packed rows, positions {args.eval_from}-{args.tokens} of "
           f"{os.path.basename(args.text)}; R calibrated on {os.path.basename(args.calib)} positions "
@@ -66,13 +50,13 @@ def run_mse(args, model, tokenizer, progress) -> dict:
 
 
 def run_ppl(args, model, tokenizer, progress) -> dict:
-    specs = [fidelity.parse_spec(c) for c in args.caches.split(",")]
-    tokens = tokens_of(tokenizer, args.text)
-    kw = dict(prompt_len=args.prompt, score_len=args.scored, chunk=args.chunk, windows=args.windows, progress=progress)
+    specs = [fidelity.parse_spec(c) for c in split_spec_list(args.caches)]
+    tokens = probes.tokens_of(tokenizer, args.text)
+    kw = probes.sweep_options(args, progress)
     before = fidelity.sweep(model, tokens, specs, **kw)
     progress(f"calibrating value rotations on {args.calib_tokens} tokens of {args.calib}")
     cfg = OIQConfig.preset(args.preset)
-    rotation.fold_value_rotations(model, rotation.packed_rows(model, tokens_of(tokenizer, args.calib, args.calib_tokens),
+    rotation.fold_value_rotations(model, rotation.packed_rows(model, probes.tokens_of(tokenizer, args.calib, args.calib_tokens),
                                                               cfg))
     result = {"before": before, "after": fidelity.sweep(model, tokens, specs, **kw)}
     print(f"{os.path.basename(args.text)}, prompt {args.prompt}, scored {args.scored}, chunk {args.chunk}, "
@@ -85,40 +69,20 @@ def run_ppl(args, model, tokenizer, progress) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("mode", choices=["mse", "ppl"])
-    p.add_argument("--model", default="demo", help="demo (SmolLM2-135M), gemma3, a .gguf path or an mlx-lm id")
-    p.add_argument("--key-bias", type=float, default=0.0, metavar="RATIO",
-                   help="Qwen-like stand-in: a k_proj bias of RATIO x the median key-channel RMS (as fidelity_sweep.py)")
+    probes.add_model_options(p)
     p.add_argument("--preset", default="2bit", help="preset whose transforms and quantizer the rows go through (default 2bit)")
-    p.add_argument("--calib", default=bundled("prideprejudice"), help="calibration text (default: bundled Pride and Prejudice)")
+    p.add_argument("--calib", default=bundled_text("prideprejudice"), help="calibration text (default: bundled Pride and Prejudice)")
     p.add_argument("--calib-tokens", type=int, default=2048, help="calibration positions (default 2048)")
-    p.add_argument("--text", default=bundled("northangerabbey"), help="evaluation text (default: bundled Northanger Abbey)")
+    p.add_argument("--text", default=bundled_text("northangerabbey"), help="evaluation text (default: bundled Northanger Abbey)")
     p.add_argument("--tokens", type=int, default=3072, help="mse: positions of the evaluation text captured (default 3072)")
     p.add_argument("--eval-from", type=int, default=2048, help="mse: first position measured (default 2048)")
     p.add_argument("--online", type=int, default=1024, help="mse: rows of the text's own start an R is learned on (default 1024)")
     p.add_argument("--caches", default="preset:2bit", help="ppl: comma-separated caches as fidelity_sweep.py names them")
-    p.add_argument("--prompt", type=int, default=768, help="ppl: tokens prefilled per window (default 768)")
-    p.add_argument("--scored", type=int, default=256, help="ppl: tokens scored per window (default 256)")
-    p.add_argument("--chunk", type=int, default=1, help="ppl: tokens per call after the prompt (default 1)")
-    p.add_argument("--windows", type=int, default=3, help="ppl: text windows (default 3)")
-    p.add_argument("--json", metavar="PATH", help="write the settings and results as JSON")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    probes.add_protocol_options(p)
     args = p.parse_args(argv)
     if args.eval_from >= args.tokens or args.online < 1:
         p.error("--eval-from must be below --tokens, and --online at least 1")
-    if args.json:  # fail (or create the folder) now, not after a long run
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    progress = Progress(enabled=not args.quiet)
-    t0 = time.perf_counter()
-    model, tokenizer, path = load_model(args.model)
-    fidelity.key_bias_stand_in(model, args.key_bias, progress)
-    result = (run_mse if args.mode == "mse" else run_ppl)(args, model, tokenizer, progress)
-    progress(f"done in {time.perf_counter() - t0:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": ["python", "scripts/rotation_probe.py", *(argv or sys.argv[1:])], "model": args.model,
-                       "path": path, "settings": {k: v for k, v in vars(args).items() if k != "json"},
-                       "environment": environment(), **result}, f, indent=1)
-
+    probes.run(args, "scripts/rotation_probe.py", run_mse if args.mode == "mse" else run_ppl, argv)
 
 if __name__ == "__main__":
     main()

@@ -97,6 +97,21 @@ def load_text(path: str | None) -> str:
     return Path(path).read_text(encoding="utf-8")
 
 
+def bundled_text(name: str) -> str:
+    """The path of a text shipped in the package, ``oiq_mlx/data/austen_NAME.txt``, relative to
+    the working directory (what a results file records as the command's setting)."""
+    return os.path.relpath(Path(__file__).resolve().parents[1] / "data" / f"austen_{name}.txt")
+
+
+def text_tokens(tokenizer, path: str | None, n: int | None = None) -> list[int]:
+    """The token ids of the text at ``path`` (:func:`load_text`), its first ``n`` when given;
+    ValueError naming the file when it has fewer."""
+    ids = tokenizer.encode(load_text(path))
+    if n is not None and len(ids) < n:
+        raise ValueError(f"{path} has {len(ids)} tokens, fewer than the {n} asked for")
+    return ids if n is None else ids[:n]
+
+
 def environment() -> dict:
     metal = mx.metal.is_available()
     return {

@@ -1,0 +1,34 @@
+"""The probe scripts end to end on the bundled model (a few hundred tokens): their options, the
+results file they write, and the docs table it renders to."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from oiq_mlx.bench import docs_tables
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_codebook_probe_mse_writes_what_the_docs_render(tmp_path):
+    out = tmp_path / "cb.json"
+    r = _run("scripts/codebook_probe.py", "mse", "--tokens", "200", "--variants", "uniform-2,vq-2x8", "--quiet",
+             "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    result = json.loads(out.read_text())
+    assert result["settings"]["text"] == "oiq_mlx/data/austen_northangerabbey.txt"  # repository-relative
+    assert result["command"][:3] == ["python", "scripts/codebook_probe.py", "mse"]
+    assert set(result["codebook_errors"]) == {"keys", "values"}
+    assert docs_tables.render([out.name], tmp_path) == r.stdout.strip().split("\n", 1)[1]
+
+
+def test_probes_refuse_a_text_too_short_and_an_unknown_codebook():
+    r = _run("scripts/rotation_probe.py", "mse", "--tokens", "99999", "--eval-from", "100", "--quiet")
+    assert r.returncode != 0 and "fewer than the 99999 asked for" in r.stderr
+    r = _run("scripts/codebook_probe.py", "mse", "--variants", "vq-4", "--quiet")
+    assert r.returncode == 2 and "unknown codebook 'vq-4'" in r.stderr
