@@ -20,7 +20,7 @@ uniform-B is the integer codec's B-bit grid under the same scale search.
 The default text is Northanger Abbey, one of the texts the presets were tuned on.
 
     python scripts/codebook_probe.py mse --variants uniform-2,vq-2x16,vq-4x256,vq-4x64   # ~1 min
-    python scripts/codebook_probe.py ppl --chunk 64 --variants vq-4x256                  # ~10 min
+    python scripts/codebook_probe.py ppl --chunk 64 --variants vq-4x256                  # ~5 min
 """
 
 import argparse

@@ -15,8 +15,9 @@ float16.  The codes for a scale are the nearest codewords (:func:`reconstruct`).
 
 A cache cannot store codebook indices.  :func:`packing_through` makes the cache's pack step
 store ``reconstruct(y)`` in place of the rotated rows ``y``, in 8-bit codes: configure the
-cache with ``k_bits = v_bits = 8``.  The carrier adds a relative squared error of about 1e-5,
-against about 0.1 for a 2-bit codebook.  Everything else is the preset's: sinks, window, means,
+cache with ``k_bits = v_bits = 8``.  The carrier adds a relative squared error of at most about
+2e-5 (a 4-D codebook's points are not on its grid; a scalar grid's are, nearly), against about 0.1
+for a 2-bit codebook.  Everything else is the preset's: sinks, window, means,
 key scaling, the rotation, exact prefill.  ``scripts/codebook_probe.py`` is the front end
 (docs/results.md, "Vector codebooks").
 """
@@ -188,7 +189,7 @@ def packed_errors(rows: dict, config, books: dict, progress=None) -> dict:
 
 def errors_table(result: dict) -> str:
     """Markdown table of a ``codebook_probe.py mse`` result: each quantizer's relative squared
-    error per side, and its change against the preset's own quantizer (the first column)."""
+    error per side, and its change against the preset's own quantizer (the first row)."""
     sides = list(result["codebook_errors"])
     names = list(result["codebook_errors"][sides[0]])
     lines = ["| quantizer | bytes/token/KV head (K+V) | " + " | ".join(f"{s}: squared error" for s in sides) + " |",
