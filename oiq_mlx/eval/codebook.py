@@ -142,14 +142,14 @@ def reconstruct(y: mx.array, book, group_size: int = 32, ratios=RATIOS) -> mx.ar
 def packing_through(reconstruct_rows):
     """Within the block, every cache of 8-bit keys and values packs ``reconstruct_rows(y)``
     in place of its rotated rows ``y`` (module docstring): ``dispatch.quantize_rows``, which
-    the caches call to pack, is replaced, and restored on exit.  A cache of other bits raises
-    ValueError when it packs."""
+    the caches call to pack, is replaced, and restored on exit.  Caches of other bits pack as
+    they do outside it, so presets can run beside the carrier in one paired comparison."""
     original = dispatch.quantize_rows
 
     def carried(x, bits, group_size, *, lam, signs, rotate=True, clip=False, joined=False, align=False):
         if bits != 8:
-            raise ValueError(f"packing_through carries reconstructed rows in 8-bit codes, not {bits}-bit: "
-                             "configure the cache with k_bits=8 and v_bits=8")
+            return original(x, bits, group_size, lam=lam, signs=signs, rotate=rotate, clip=clip, joined=joined,
+                            align=align)
         y = (x.astype(mx.float32) if lam is None else x.astype(mx.float32) / lam) * signs
         if rotate:
             y = rotation.hadamard(y)

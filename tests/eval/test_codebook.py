@@ -99,10 +99,14 @@ def test_the_carrier_packs_what_the_cache_would_and_the_reconstruction_in_its_pl
     assert float(mx.max(mx.abs(back - y))) > 10 * step  # not the rows themselves
 
 
-def test_the_carrier_refuses_a_cache_that_does_not_pack_8_bits():
+def test_the_carrier_leaves_caches_of_other_bits_as_they_are():
+    """A preset beside the carrier packs exactly what it packs outside it."""
     x = mx.random.normal((1, 2, 260, 64), key=mx.random.key(4))
-    with codebook.packing_through(lambda y: y), pytest.raises(ValueError, match="8-bit"):
-        _filled(OIQConfig.preset("2bit"), x)
+    plain = _filled(OIQConfig.preset("2bit"), x)
+    with codebook.packing_through(lambda y: y * 0):
+        beside = _filled(OIQConfig.preset("2bit"), x)
+    assert beside.q_end == plain.q_end > 4
+    assert mx.array_equal(beside.packed_buffers()[0], plain.packed_buffers()[0]).item()
 
 
 def test_packed_errors_compare_the_preset_with_each_codebook_and_render_as_a_docs_table():
