@@ -92,5 +92,6 @@ def main(argv=None):
     mode = run_mse if args.mode == "mse" else run_ppl
     probes.run(args, "scripts/codebook_probe.py", lambda *a: mode(*a, books), argv)
 
+
 if __name__ == "__main__":
     main()

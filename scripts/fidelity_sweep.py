@@ -23,7 +23,7 @@ import time
 
 import oiq_mlx  # noqa: F401  (before mlx: preloads OpenBLAS on Linux)
 from oiq_mlx.eval.progress import Progress
-from oiq_mlx.eval.quality import environment, load_model, load_text
+from oiq_mlx.eval.quality import environment, load_model, text_tokens
 from oiq_mlx.eval import sweep as fidelity
 from oiq_mlx.core.config import layer_bits_text
 
@@ -54,7 +54,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     model, tokenizer, path = load_model(args.model)
     fidelity.key_bias_stand_in(model, args.key_bias, progress)
-    tokens = tokenizer.encode(load_text(args.text))
+    tokens = text_tokens(tokenizer, args.text)
     rows = fidelity.sweep(model, tokens, specs, prompt_len=args.prompt, score_len=args.scored,
                           chunk=args.chunk, windows=args.windows, progress=progress)
     print(fidelity.frontier_table(rows))

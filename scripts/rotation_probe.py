@@ -84,5 +84,6 @@ def main(argv=None):
         p.error("--eval-from must be below --tokens, and --online at least 1")
     probes.run(args, "scripts/rotation_probe.py", run_mse if args.mode == "mse" else run_ppl, argv)
 
+
 if __name__ == "__main__":
     main()

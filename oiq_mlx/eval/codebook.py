@@ -33,6 +33,7 @@ import numpy as np
 
 from ..core import codec, rotation
 from ..kernels import dispatch
+from .rotation import quant_error
 
 # scale = group RMS x ratio, the ratio searched per group (least squared error); on Gaussian
 # groups every codebook here does best near 1, and a grid from 0.3 to 2 gains nothing over this
@@ -176,8 +177,7 @@ def packed_errors(rows: dict, config, books: dict, progress=None) -> dict:
         x = mx.array(np.concatenate([r.reshape(-1, d) for (_, s), (r, _) in sorted(rows.items()) if s == side])
                      .astype(np.float32))
         den = float(mx.sum(x * x))
-        codes, scales = codec.quantize(x, bits, config.group_size, clip=config.clip, align=config.align_scales)
-        e = {"preset": float(mx.sum(mx.square(x - codec.dequantize(codes, scales, bits, config.group_size)))) / den}
+        e = {"preset": quant_error(np.array(x), bits, config)[0] / den}
         for v, book in books.items():
             if progress is not None:
                 progress(f"{name}: {v}")
