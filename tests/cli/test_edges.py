@@ -79,9 +79,12 @@ def test_exit_process_ends_with_os_exit_where_openblas_is_preloaded(monkeypatch)
 
 
 def _generating(*args):
-    """An oiq-generate process with a long answer, once it has printed its first bytes."""
+    """An oiq-generate process with a long answer, once it has printed its first bytes.  It starts
+    with SIGINT's default action, as from a terminal: a shell without job control starts background
+    commands (a test run with ``&``) with SIGINT ignored, and the child would inherit that."""
     proc = subprocess.Popen([sys.executable, "-m", SCRIPTS["oiq-generate"], "--prompt", "Write a long story.",
-                             "--max-tokens", "400", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+                             "--max-tokens", "400", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     first = proc.stdout.read(5)
     assert first, proc.stderr.read().decode()
     return proc
