@@ -20,6 +20,13 @@ from oiq_mlx.mlx_lm.caches import float16_model_bytes, kv_memory
 from oiq_mlx.mlx_lm.prompt_cache import OIQPromptCache
 
 TOKENS = [int(x) for x in np.random.default_rng(0).integers(0, 128, 1300)]
+
+
+def _leaving(cut: int, n: int) -> list:
+    """A prompt that leaves TOKENS after its first ``cut``: ``n`` tokens of the model's vocabulary
+    (128) that differ from TOKENS at ``cut`` (an id outside it would read past the embedding
+    table, whatever memory lies there)."""
+    return TOKENS[:cut] + [(TOKENS[cut] + 1 + i) % 128 for i in range(n)]
 POSITIONAL = OIQConfig.preset("4bit", window=16, positional=True)
 
 
@@ -232,9 +239,9 @@ def test_kept_checkpoints_and_a_longer_entry_trimmed_only_exactly(model):
     reserve is served from the checkpoint, not from an inexact trim of the longer entry."""
     pc = OIQPromptCache(keep_checkpoints=True)
     _conversation(model, POSITIONAL, TOKENS[:500], 400, pc)
-    cache, rest = pc.fetch_nearest_cache("m", TOKENS[:450] + [1000, 1001, 1002])
+    cache, rest = pc.fetch_nearest_cache("m", _leaving(450, 3))
     assert cache[0].offset == 400 and len(rest) == 53
-    cache, rest = pc.fetch_nearest_cache("m", TOKENS[:495] + [1000, 1001])
+    cache, rest = pc.fetch_nearest_cache("m", _leaving(495, 2))
     assert cache[0].offset == 495 and len(rest) == 2  # within the reserve: the trim is exact
 
 
@@ -253,7 +260,7 @@ def test_a_chat_keeps_one_entry_and_is_trimmed_back(model):
     _feed(model, fresh, TOKENS[:449])
     _feed(model, fresh, TOKENS[449:450], chunk=1)
     for cut in (450, 495):
-        cache, rest = pc.fetch_nearest_cache("m", TOKENS[:cut] + [1000, 1001, 1002])
+        cache, rest = pc.fetch_nearest_cache("m", _leaving(cut, 3))
         assert cache[0].offset == cut and len(rest) == 3
         trimmed = copy.deepcopy(finished.prompt_cache)
         for c in trimmed:
