@@ -10,6 +10,7 @@ and the oiq-generate command line; each launch takes a few seconds.
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -173,14 +174,16 @@ loopback = pytest.mark.skipif(_ring_unavailable() is not None, reason=str(_ring_
 
 
 def _free_ports():
-    """A port p with p + 1 also free: the ring backend listens on one port per rank."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    """A port p with p + 1 also free: the ring backend listens on one port per rank.  Drawn below
+    Linux's ephemeral range (32768-60999), where no client socket and no server bound to port 0
+    (the other tests' servers) can take it between this check and the ranks binding it."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
         try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+            for p in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
             return port
         except OSError:
             continue
