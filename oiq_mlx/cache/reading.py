@@ -12,8 +12,17 @@ import mlx.core as mx
 import numpy as np
 
 from ..core import fp4
-from ..core.codec import dequantize, split_rows
+from ..core.codec import CPU_REPACK_BITS, dequantize, repack_codes, split_rows
 from .common import POSITIONAL, halves
+
+# packed value rows up to this many stay repacked for MLX's CPU quantized_matmul from one write of
+# the packed rows to the next (:meth:`CacheReads.cpu_values`): the decode steps between two blocks
+# skip the repack, whose launches cost as much at a few hundred rows as at a thousand.  The copy
+# kept is 4 bits a value (8 for 5- and 6-bit codes): at these lengths MLX multiplies 4-bit rows as
+# fast as 8-bit ones, for half the bytes.  Past the bound every step repacks (to 8 bits,
+# CPU_REPACK_BITS) and no copy is held.
+CPU_VALUES_MEMO_ROWS = 1024
+CPU_VALUES_MEMO_BITS = {2: 4, 3: 4, 5: 8, 6: 8}
 
 
 class CacheReads:
@@ -44,8 +53,27 @@ class CacheReads:
         else:
             views = (*(x for side in (self.k, self.v) for x in split_rows(side.rows[:, :, :n], side.dim, side.bits, g)),
                      None)
-        self._views = (n, views)
+        self._views = (n, views, None)
         return views
+
+    def cpu_values(self, vc: mx.array):
+        """``(codes, bits)``: the packed value codes ``vc`` repacked for MLX's CPU
+        ``quantized_matmul`` (the same codes, so the same scales and biases).  A copy of the
+        values of the views :meth:`_packed_views` keeps is kept with them while they hold at most
+        :data:`CPU_VALUES_MEMO_ROWS` rows."""
+        bits = self.v.bits
+        memo = self._views
+        if memo is None or memo[1][2] is not vc or vc.shape[2] > CPU_VALUES_MEMO_ROWS:
+            return repack_codes(vc, bits, CPU_REPACK_BITS[bits]), CPU_REPACK_BITS[bits]
+        to = CPU_VALUES_MEMO_BITS[bits]
+        if memo[2] is None:
+            self._views = memo = (memo[0], memo[1], repack_codes(vc, bits, to))
+        return memo[2], to
+
+    def cpu_values_nbytes(self) -> int:
+        """Bytes of the repacked values :meth:`cpu_values` keeps (0 when it keeps none)."""
+        memo = self._views
+        return memo[2].nbytes if memo is not None and memo[2] is not None else 0
 
     def segments(self):
         """Stored data for attention, each in the rotated (centered) domain.

@@ -520,10 +520,11 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every array this cache holds (allocated capacity included, and the
-        per-layer constants of the stacked quantize pass once built)."""
+        """Bytes of every array this cache holds (allocated capacity included, the per-layer
+        constants of the stacked quantize pass once built, and on the CPU the repacked values a
+        decode step keeps for the next, :meth:`cpu_values`)."""
         stacked = sum(a.nbytes for a in self._stacked if a is not None) if self._stacked is not None else 0
-        return self.k.nbytes() + self.v.nbytes() + stacked
+        return self.k.nbytes() + self.v.nbytes() + stacked + self.cpu_values_nbytes()
 
     def quantized_nbytes_formula(self) -> int:
         """What the quantized segment must occupy: capacity x bytes_per_token x B x H."""

@@ -45,6 +45,8 @@ def _oiq_arrays_nbytes(c):
                 total += a.nbytes
     if c._stacked is not None:
         total += sum(a.nbytes for a in c._stacked if a is not None)
+    if c._views is not None and c._views[2] is not None:
+        total += c._views[2].nbytes  # the values kept repacked for MLX's CPU kernel (cpu_values)
     return total
 
 

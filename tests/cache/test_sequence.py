@@ -11,7 +11,7 @@ from helpers import reference_attention, tiny_gemma3, tiny_llama
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from oiq_mlx.cache import attention
+from oiq_mlx.cache import attention, reading
 from oiq_mlx.mlx_lm import caches, routing
 from oiq_mlx.cache.attention import oiq_attention
 from oiq_mlx.cache.sequence import OIQKVCache
@@ -247,6 +247,46 @@ def test_decode_and_prefill_paths_agree(preset, monkeypatch):
             m.setattr(attention, "DECODE_MAX_QUERIES", 0)
             pre = oiq_attention(q, cache, 0.125, "causal")
         assert float(mx.abs(dec - pre).max()) < 1e-4
+
+
+@pytest.mark.parametrize("preset", ["4bit", "2bit"])
+def test_repacked_values_are_kept_between_blocks_and_counted(preset, monkeypatch):
+    """On the CPU a decode step reads the packed values repacked for MLX's kernel.  The copy kept
+    from one write of the packed rows to the next gives the outputs of repacking at every step,
+    bit for bit, across block writes; it is counted in nbytes while kept, and none is kept past
+    CPU_VALUES_MEMO_ROWS packed rows."""
+    kept, fresh = (OIQKVCache(OIQConfig.preset(preset)) for _ in range(2))
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(1))
+    for c in (kept, fresh):
+        c.update_and_fetch(k, k + 0.5)
+        c.release_fresh()
+    held, ends = [], []
+    for step, key in enumerate(mx.random.split(mx.random.key(2), 40)):
+        k1, k2 = mx.random.split(key)
+        x, q = mx.random.normal((1, 2, 1, 64), key=k1), mx.random.normal((1, 6, 1, 64), key=k2)
+        outs = []
+        for c, rows in ((kept, reading.CPU_VALUES_MEMO_ROWS), (fresh, 0)):
+            with monkeypatch.context() as m:
+                m.setattr(reading, "CPU_VALUES_MEMO_ROWS", rows)
+                c.update_and_fetch(x, x - 0.5)
+                outs.append(np.array(oiq_attention(q, c, 0.125, None)))
+        assert np.array_equal(*outs), step
+        held.append(kept.cpu_values_nbytes())
+        ends.append(kept.q_end)
+        assert fresh.cpu_values_nbytes() == 0
+        assert kept.nbytes == fresh.nbytes + held[-1]
+    # blocks were written; a step that packs reads its new rows as it found them (in full
+    # precision), so the copy is made by the next step, and kept by every step that packs nothing
+    packing = [i for i in range(1, len(ends)) if ends[i] != ends[i - 1]]
+    assert len(packing) >= 2 and all((h > 0) == (i not in packing) for i, h in enumerate(held)), (held, ends)
+    s = kept.config.sink_tokens
+    assert all(h in (0, 2 * (e - s) * 64 // 2) for h, e in zip(held, ends))  # 4 bits a value
+    long = OIQKVCache(OIQConfig.preset(preset))
+    long.update_and_fetch(mx.random.normal((1, 2, 1200, 64)), mx.random.normal((1, 2, 1200, 64)))
+    long.end_prefill()
+    long.update_and_fetch(k[:, :, :1], k[:, :, :1])
+    mx.eval(oiq_attention(mx.random.normal((1, 6, 1, 64)), long, 0.125, None))
+    assert long.q_end - 4 > reading.CPU_VALUES_MEMO_ROWS and long.cpu_values_nbytes() == 0
 
 
 def test_nbytes_matches_allocation_and_compression():
