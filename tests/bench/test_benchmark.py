@@ -19,6 +19,7 @@ import pytest
 
 from helpers import tiny_gemma3, tiny_llama
 from oiq_mlx.bench import attention, latency as bench
+from oiq_mlx.cache import reading
 from oiq_mlx.cache.sequence import OIQKVCache
 from oiq_mlx.core.config import OIQConfig
 
@@ -130,7 +131,13 @@ def test_kv_bytes_match_cache_formulas(model_result):
             # the window buffer: whole steps of recent_step rows, at most window + reserve + one block
             step = OIQKVCache.recent_step
             assert cap_r % step == 0 and min(cfg.window, T) <= cap_r <= cfg.window + cfg.trim_reserve + step
-            per_layer = quant + sink + mean + lam + signs + stacked + 2 * N_KV * cap_r * HEAD_DIM * 4
+            # on the CPU, up to CPU_VALUES_MEMO_ROWS packed rows, the values kept repacked for MLX's
+            # kernel, unless the last step wrote packed rows (the next step would repack)
+            v_bits = cfg.v_bits
+            kept_bits = reading.CPU_VALUES_MEMO_BITS.get(v_bits) if mx.default_device() == mx.cpu else None
+            held = kept_bits and 0 < n_q <= reading.CPU_VALUES_MEMO_ROWS and moved[-1] == 0
+            kept = N_KV * n_q * HEAD_DIM * kept_bits // 8 if held else 0
+            per_layer = quant + sink + mean + lam + signs + stacked + kept + 2 * N_KV * cap_r * HEAD_DIM * 4
         assert r["kv_bytes"] == N_LAYERS * per_layer, (r["context"], r["cache"])
 
 
