@@ -308,8 +308,8 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
             bits = v.bits
             if bits in CPU_REPACK_BITS and mx.default_device() == mx.cpu:
                 # MLX's CPU kernel reads 2/3/5/6-bit rows this way several times more slowly than
-                # 4/8-bit ones: the same codes repacked to 8 bits cost a few fused passes (kept
-                # between two blocks by a cache that keeps them)
+                # 4/8-bit ones: the same codes repacked cost a few fused passes (a sequence cache
+                # keeps them from one write of its packed rows to the next: cpu_values)
                 cpu_values = getattr(cache, "cpu_values", None)
                 if cpu_values is not None:
                     vc, bits = cpu_values(vc)
