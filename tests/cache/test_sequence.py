@@ -280,7 +280,7 @@ def test_repacked_values_are_kept_between_blocks_and_counted(preset, monkeypatch
     packing = [i for i in range(1, len(ends)) if ends[i] != ends[i - 1]]
     assert len(packing) >= 2 and all((h > 0) == (i not in packing) for i, h in enumerate(held)), (held, ends)
     s = kept.config.sink_tokens
-    assert all(h in (0, 2 * (e - s) * 64 // 2) for h, e in zip(held, ends))  # 4 bits a value
+    assert all(h in (0, 2 * (e - s) * 64 * 4 // 8) for h, e in zip(held, ends))  # 2 heads x 64 values x 4 bits
     long = OIQKVCache(OIQConfig.preset(preset))
     long.update_and_fetch(mx.random.normal((1, 2, 1200, 64)), mx.random.normal((1, 2, 1200, 64)))
     long.end_prefill()

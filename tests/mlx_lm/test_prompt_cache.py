@@ -20,6 +20,7 @@ from oiq_mlx.mlx_lm.caches import float16_model_bytes, kv_memory
 from oiq_mlx.mlx_lm.prompt_cache import OIQPromptCache
 
 TOKENS = [int(x) for x in np.random.default_rng(0).integers(0, 128, 1300)]
+POSITIONAL = OIQConfig.preset("4bit", window=16, positional=True)
 
 
 def _leaving(cut: int, n: int) -> list:
@@ -27,7 +28,6 @@ def _leaving(cut: int, n: int) -> list:
     (128) that differ from TOKENS at ``cut`` (an id outside it would read past the embedding
     table, whatever memory lies there)."""
     return TOKENS[:cut] + [(TOKENS[cut] + 1 + i) % 128 for i in range(n)]
-POSITIONAL = OIQConfig.preset("4bit", window=16, positional=True)
 
 
 @pytest.fixture(scope="module")
