@@ -5,9 +5,13 @@
 // head) of D values, lane l owning values [l*E, (l+1)*E).  Template: T (input
 // dtype), D, ROWS.  params: bits, group size, rotate, clip, rows per lam row
 // (0: no key scales), rows per signs row, round (cast the rotated row back to
-// T before quantizing, as rotation.rotate does for T input), joined, align
-// (store sum(y*y) / sum(y*u) as the scale of the codes chosen, codec.quantize);
-// all uniform over the launch, so their branches and loop bounds are too.
+// T before quantizing, as rotation.rotate does for T input), joined, align of
+// the rows before a split row, align of the rows from it, the split row (align:
+// 0 keeps the scale chosen, 2 stores sum(y*y) / sum(y*u) for the codes chosen, 1
+// the mean of the two, codec.quantize(align=0, 1, 0.5); the split row is where
+// a launch over keys and values stacked passes from keys to values).  All but
+// align are uniform over the launch, so their branches and loop bounds are
+// too; align is uniform over a row, so over its simdgroup.
 // Inputs (the kernel is built without ensure_row_contiguous: every input is
 // read through its strides, none is copied before the launch):
 //   x (..., D): N = prod(leading axes) rows, any strides (a slice of the
@@ -40,7 +44,6 @@ int rows_per_lam = params[4];
 int rows_per_signs = params[5];
 bool round_to_input = params[6] != 0;
 bool joined = params[7] != 0;
-bool align = params[8] != 0;
 int W = D * bits / 32;
 int G = D / group;
 int row_words = joined ? W + (G + 1) / 2 : W;
@@ -50,6 +53,8 @@ float half_levels = float((1 << bits) - 1) / 2.0f;
 uint lane = thread_position_in_threadgroup.x;
 uint r = thread_position_in_threadgroup.y;
 uint row = thread_position_in_grid.y;
+int align_mode = int(row) < params[10] ? params[8] : params[9];
+bool align = align_mode != 0;
 
 // The row's first value: row -> index over the leading axes, last one fastest.
 int64_t loc = 0;
@@ -164,8 +169,9 @@ if (align) {
     syu = syu + simd_shuffle_xor(syu, m);
   }
   float ratio = syy / syu;
+  float target = align_mode == 2 ? ratio : 0.5f * (scale + ratio);
   if (!bad && syu > 0.0f && isfinite(ratio)) {
-    scale_h = half(min(ratio, 65504.0f));
+    scale_h = half(min(target, 65504.0f));
   }
 }
 // Every lane of a group holds the group's scale (the reductions above are

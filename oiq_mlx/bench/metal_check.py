@@ -56,8 +56,8 @@ from ..mlx_lm.prompt_files import load_cache_file, save_cache_file
 PRESETS = ("4bit", "3bit", "2bit")
 PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size
 # what changes the rows a cache writes, beside the preset (OIQConfig fields)
-WRITE_OPTIONS = ({}, {"clip": False}, {"align_scales": False}, {"center_keys": False}, {"key_scaling": 0.0},
-                 {"center_values": True}, {"positional": True}, {"exact_prefill": 0})
+WRITE_OPTIONS = ({}, {"clip": False}, {"align_scales": False}, {"key_alignment": 0.5}, {"center_keys": False},
+                 {"key_scaling": 0.0}, {"center_values": True}, {"positional": True}, {"exact_prefill": 0})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -433,9 +433,8 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
             stacked = True  # fp4: one joined row per token, ``(B, H, b - a, pair_width)``
         if not (stacked and self._pairs_packed):
             return [dispatch.quantize_rows(s.recent[:, :, a:b], s.bits, cfg.group_size, clip=s.clip,
-                                           lam=s.lam, signs=s.signs, rotate=rotate, joined=True,
-                                           align=cfg.align_scales)
-                    for s in (k, v)]
+                                           lam=s.lam, signs=s.signs, rotate=rotate, joined=True, align=align)
+                    for s, align in zip((k, v), cfg.scale_alignment)]
         if self._stacked is None:
             # per-layer constants of the stacked pass, built once (statistics never change after
             # the first chunk): 2 x (B, H, 1, d) key scales and 2 x d signs
@@ -446,7 +445,7 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
             return dispatch.quantize_fp4_rows(self._kv_recent[:, :, :, a:b], cfg.storage, lam=lam, signs=signs,
                                               rotate=rotate, clip=cfg.clip)
         return dispatch.quantize_rows(self._kv_recent[:, :, :, a:b], k.bits, cfg.group_size, clip=k.clip, lam=lam,
-                                      signs=signs, rotate=rotate, joined=True, align=cfg.align_scales)
+                                      signs=signs, rotate=rotate, joined=True, align=cfg.scale_alignment)
 
     # -- reading (segments, attention_segments, positional_mask...: CacheReads, reading.py) ----
 

@@ -342,13 +342,13 @@ class StackedDecode:
         rotate = cfg.rotation != "none"
         if len(self.rows) == 1:
             blocks = [dispatch.quantize_rows(x, k.bits, cfg.group_size, clip=k.clip, lam=lam, signs=self._signs2,
-                                             rotate=rotate, joined=True, align=cfg.align_scales)]
+                                             rotate=rotate, joined=True, align=cfg.scale_alignment)]
         else:  # views of each side (an integer index would gather)
             lams = (None, None) if lam is None else halves(lam)
             blocks = [dispatch.quantize_rows(y, side.bits, cfg.group_size, clip=side.clip,
                                              lam=None if side.lam is None else side_lam, signs=side.signs,
-                                             rotate=rotate, joined=True, align=cfg.align_scales)[None]
-                      for y, side, side_lam in zip(halves(x), (k, v), lams)]
+                                             rotate=rotate, joined=True, align=align)[None]
+                      for y, side, side_lam, align in zip(halves(x), (k, v), lams, cfg.scale_alignment)]
         rows = []
         for r, b in zip(self.rows, blocks):
             lead, width = r.shape[0], r.shape[-1]

@@ -124,6 +124,10 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
     o.add_argument("--align-scales", action=argparse.BooleanOptionalAction, default=None,
                    help="store each group's scale so that it keeps its length along itself (no shrinkage "
                         "of the scores of matching keys); see OIQConfig")
+    o.add_argument("--key-alignment", type=float, choices=(0.0, 0.5, 1.0), default=None,
+                   help="with --align-scales, how far the keys' scales go to the aligned one: 1 all the way "
+                        "(every preset), 0.5 half way (the mean of the aligned and the clip search's scale), 0 "
+                        "not at all; values take the aligned scale (see docs/configuration.md)")
     o.add_argument("--center-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="subtract the per-channel key mean (exact for attention)")
     o.add_argument("--center-values", action=argparse.BooleanOptionalAction, default=None,
@@ -169,6 +173,7 @@ _OIQ_FIELDS = {
     "quantize_after": "quantize_after",
     "clip": "clip",
     "align_scales": "align_scales",
+    "key_alignment": "key_alignment",
     "center_keys": "center_keys",
     "center_values": "center_values",
     "key_scaling": "key_scaling",

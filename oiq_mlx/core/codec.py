@@ -26,6 +26,8 @@ shrinks a group (by 3% at 3 bits and 11% at 2 bits on Gaussian groups of 32),
 which lowers the score of every key in the direction of a query that matches
 it, and most the score of the key that matches best; the aligned scale does not
 shrink, at about the clipped search's squared error (DESIGN.md section 9).
+``align=0.5`` stores the mean of the two scales, ``(s_chosen + s) / 2``: half the
+shrinkage, less of the aligned scale's larger error off ``y`` (``ALIGNMENTS``).
 
 Storage is the layout of ``mx.quantize``: codes of one vector form one
 little-endian, LSB-first bit stream packed into uint32 words (value ``i`` in
@@ -207,7 +209,32 @@ def _codes_for_scale(yg: mx.array, scale: mx.array, bits: int) -> mx.array:
     return mx.where(scale > 0, c, 0.0)
 
 
-def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = False, align: bool = False):
+# How far a group's stored scale goes from the one its codes were chosen with to the aligned
+# scale (``quantize(align=)``): none, half way (the mean of the two), all the way.
+ALIGNMENTS = (0.0, 0.5, 1.0)
+
+
+def check_alignment(align, what: str = "align") -> float:
+    """``align`` as one of :data:`ALIGNMENTS` (False / True are 0 and 1), else ValueError."""
+    if align in ALIGNMENTS and not isinstance(align, str):
+        return float(align)
+    raise ValueError(f"{what} must be one of {ALIGNMENTS} (or False / True), got {align!r}")
+
+
+def alignment_pair(align, lead: tuple) -> tuple[float, float]:
+    """``align`` of rows with leading shape ``lead`` as ``(first half, second half)``: one
+    alignment for every row, or a ``(keys, values)`` pair of two that differ for keys and values
+    stacked on a first axis of 2 (the cache's stacked packing pass)."""
+    pair = tuple(align) if isinstance(align, (tuple, list)) else (align, align)
+    if len(pair) != 2:
+        raise ValueError(f"align {align!r}: one alignment, or one for keys and one for values")
+    first, second = (check_alignment(a) for a in pair)
+    if first != second and (not lead or lead[0] != 2):
+        raise ValueError(f"align {align!r}: a pair needs keys and values stacked on the first axis, got rows {lead}")
+    return first, second
+
+
+def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = False, align: float = False):
     """Quantize (rotated) vectors per group with a symmetric mid-rise grid.
 
     Args:
@@ -218,7 +245,8 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
         clip: choose each group's scale by MSE search over ``CLIP_RATIOS``
             instead of plain abs-max.
         align: with the codes so chosen, store the scale that keeps each
-            group's projection on itself (module docstring).
+            group's projection on itself (True or 1), or the mean of that scale
+            and the chosen one (0.5) (module docstring).
 
     Returns:
         ``(codes, scales)``: uint32 ``(..., d * bits / 32)`` and float16
@@ -226,6 +254,7 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
     """
     y = check_floating(y)
     bits = check_bits(bits)
+    align = check_alignment(align)
     d = y.shape[-1]
     group_size = check_group_size(group_size, d)
     packed_width(d, bits)
@@ -252,7 +281,8 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
         yy = pairwise_sum(yg * yg)[..., None]
         yu = pairwise_sum(yg * (codes - half))[..., None]
         ratio = yy / mx.where(yu > 0, yu, 1.0)
-        scale = mx.where((yu > 0) & mx.isfinite(ratio), _round_scale(ratio), scale)
+        target = ratio if align == 1.0 else 0.5 * (scale + ratio)  # the kernel's order of operations
+        scale = mx.where((yu > 0) & mx.isfinite(ratio), _round_scale(target), scale)
     scale = mx.where(finite, scale, mx.nan)
     codes = codes.reshape(*y.shape[:-1], d).astype(mx.uint32)
     return pack_codes(codes, bits), scale.squeeze(-1).astype(mx.float16)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from . import fp4
-from .codec import bytes_per_token, check_bits, check_group_size
+from .codec import bytes_per_token, check_alignment, check_bits, check_group_size
 from .rotation import hadamard_block_size
 
 
@@ -115,6 +115,12 @@ class OIQConfig:
             (``codec.quantize(align=True)``).  The MSE-chosen scale shrinks
             groups, which lowers most the score of the key that best matches a
             query: retrieval loses its needle first (docs/configuration.md).
+        key_alignment: with ``align_scales``, how far the keys' scales go to the
+            aligned one: 1 all the way, 0.5 the mean of the aligned scale and
+            the one the codes were chosen with (``codec.quantize(align=0.5)``),
+            0 not at all (values aligned only).  Values take the aligned scale.
+            The aligned key keeps the score of the query it matches best, and
+            errs more off its own direction, which every other score reads.
         center_keys, center_values: subtract a per-head, per-channel mean
             (estimated on the first chunk written to the cache, usually the
             prompt) before quantizing.  Exact for attention: a key shift changes
@@ -195,6 +201,7 @@ class OIQConfig:
     quantize_after: int = 0
     clip: bool = True
     align_scales: bool = True
+    key_alignment: float = 1.0
     center_keys: bool = True
     center_values: bool = False
     trim_reserve: int = 16
@@ -229,6 +236,12 @@ class OIQConfig:
         for name in ("clip", "align_scales", "center_keys", "center_values", "positional"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.key_alignment, bool):
+            raise ValueError(f"key_alignment must be 0, 0.5 or 1, got {self.key_alignment!r}")
+        object.__setattr__(self, "key_alignment", check_alignment(self.key_alignment, "key_alignment"))
+        if self.key_alignment != 1.0 and not self.align_scales:
+            raise ValueError(f"key_alignment={self.key_alignment} sets how far aligned key scales go: it needs "
+                             "align_scales=True")
         object.__setattr__(self, "layer_bits", _parse_layer_bits(self.layer_bits))
 
     def _check_fp4(self):
@@ -247,6 +260,11 @@ class OIQConfig:
                              "the exponent search of storage='mxfp4')")
         if self.layer_bits:
             raise ValueError(f"storage={name!r} stores every layer at 4 bits: layer_bits must be empty")
+
+    @property
+    def scale_alignment(self) -> tuple[float, float]:
+        """``(keys, values)``: the ``align`` of ``codec.quantize`` for each side."""
+        return (self.key_alignment, 1.0) if self.align_scales else (0.0, 0.0)
 
     def bits_for_layer(self, layer: int) -> tuple[int, int]:
         """``(k_bits, v_bits)`` of cache layer ``layer`` (``layer_bits`` applied)."""
@@ -278,7 +296,10 @@ class OIQConfig:
         """
         if name not in PRESETS:
             raise ValueError(f"unknown OIQ preset {name!r}; choose one of {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        fields = {**PRESETS[name], **overrides}
+        if fields.get("align_scales") is False and "key_alignment" not in overrides:
+            fields.pop("key_alignment", None)  # the preset's key alignment goes with its aligned scales
+        return cls(**fields)
 
     def storage_dim(self, head_dim: int) -> int:
         """Length of the stored (rotated) vectors for a head of ``head_dim``.
@@ -336,6 +357,7 @@ class OIQConfig:
         fields.setdefault("key_scaling_cap", 0.0)  # likewise: no cap
         fields.setdefault("exact_prefill", 0)  # likewise: chunks read earlier chunks packed
         fields.setdefault("storage", "int")  # likewise: integer codes and float16 scales
+        fields.setdefault("key_alignment", 1.0)  # likewise: keys' scales aligned all the way
         unknown, missing = sorted(set(fields) - known), sorted(known - set(fields))
         if unknown or missing:
             # a default filled in for a missing field could silently change how the cache stores

@@ -161,7 +161,8 @@ class CacheSpec:
         args = ["--k-bits", str(cfg.k_bits), "--v-bits", str(cfg.v_bits), "--group-size", str(cfg.group_size),
                 "--rotation-seed", str(cfg.seed), "--sink-tokens", str(cfg.sink_tokens), "--window", str(cfg.window),
                 "--quantize-after", str(cfg.quantize_after), "--key-scaling", str(cfg.key_scaling),
-                "--key-scaling-cap", str(cfg.key_scaling_cap), "--exact-prefill", str(cfg.exact_prefill)]
+                "--key-scaling-cap", str(cfg.key_scaling_cap), "--exact-prefill", str(cfg.exact_prefill),
+                "--key-alignment", str(cfg.key_alignment)]
         for name in ("clip", "align_scales", "center_keys", "center_values", "positional"):
             flag = name.replace("_", "-")
             args.append(f"--{flag}" if getattr(cfg, name) else f"--no-{flag}")

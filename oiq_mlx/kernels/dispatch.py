@@ -82,7 +82,7 @@ def quantize(x: mx.array, bits: int, group_size: int, *, signs=None, clip: bool 
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_quantize(bits: int, group_size: int, clip: bool, align: bool):
+def _compiled_quantize(bits: int, group_size: int, clip: bool, align: float):
     return mx.compile(functools.partial(codec.quantize, bits=bits, group_size=group_size, clip=clip, align=align))
 
 
@@ -95,7 +95,7 @@ _ONE = mx.array(1.0, mx.float32)
 
 
 def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | None, signs: mx.array,
-                  rotate: bool = True, clip: bool = False, joined: bool = False, align: bool = False):
+                  rotate: bool = True, clip: bool = False, joined: bool = False, align=False):
     """Codes and scales of window rows entering the packed segment of a cache: one fused
     kernel (key scaling, sign flip, Walsh-Hadamard, abs-max or clip search, rounding,
     packing) when one serves the call, else the reference.
@@ -112,6 +112,8 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
         signs: the rotation signs, float32, broadcastable the same way.
         joined: return the packed rows ``codec.join_rows(codes, scales)`` (what the cache
             stores) instead of ``(codes, scales)``; the kernel writes them directly.
+        align: ``codec.quantize``'s, or a ``(keys, values)`` pair when ``x`` stacks keys and
+            values on its first axis (``OIQConfig.scale_alignment``).
     """
     if (kernels_enabled() and x.size and mx.issubdtype(x.dtype, mx.floating)
             and codec_shape_ok(x.shape[-1], bits, group_size) and selftest.quantize_ok(x.dtype, x.shape[-1])):
@@ -120,7 +122,12 @@ def quantize_rows(x: mx.array, bits: int, group_size: int, *, lam: mx.array | No
     y = _to_packed_domain(x, _ONE if lam is None else lam, signs)
     if rotate:
         y = rotation.hadamard(y)
-    out = _compiled_quantize(bits, group_size, clip, align)(y)
+    first, second = codec.alignment_pair(align, x.shape[:-1])
+    if first != second:  # keys and values stacked, each side its own alignment
+        sides = [_compiled_quantize(bits, group_size, clip, a)(y[i]) for i, a in enumerate((first, second))]
+        out = tuple(mx.stack(parts) for parts in zip(*sides))
+        return codec.join_rows(*out) if joined else out
+    out = _compiled_quantize(bits, group_size, clip, first)(y)
     return codec.join_rows(*out) if joined else out
 
 

@@ -32,11 +32,21 @@ def _constant(values: tuple, shape: tuple | None = None) -> mx.array:
     return a
 
 
+def _align_params(align, lead: tuple) -> list:
+    """The kernel's three align parameters: the mode of the rows before the split row, of the
+    rows from it, and the split row (mode 0, 1, 2 for ``codec.quantize(align=0, 0.5, 1)``).
+    ``align``: one alignment for every row, or a pair for keys and values stacked on the first
+    axis of the rows ``lead``."""
+    n = math.prod(lead)
+    first, second = (int(2 * a) for a in codec.alignment_pair(align, lead))
+    return [first, second, n // 2 if first != second else n]
+
+
 def _launch_quantize(x: mx.array, lam2, signs2, *, bits: int, group_size: int, rotate: bool, clip: bool,
-                     round_to_input: bool, joined: bool, align: bool = False):
+                     round_to_input: bool, joined: bool, align=False):
     """The kernel over the rows of ``x`` ``(..., d)`` as it is (any strides: no copy, no reshape);
-    ``lam2``, ``signs2``: ``(groups, d)`` tables (``_rows_of``).  Returns ``(codes, scales)``
-    shaped like ``x``'s rows, or the joined rows."""
+    ``lam2``, ``signs2``: ``(groups, d)`` tables (``_rows_of``); ``align``: ``_align_params``.
+    Returns ``(codes, scales)`` shaped like ``x``'s rows, or the joined rows."""
     d = x.shape[-1]
     lead = tuple(x.shape[:-1])
     n = math.prod(lead)
@@ -51,7 +61,7 @@ def _launch_quantize(x: mx.array, lam2, signs2, *, bits: int, group_size: int, r
         inputs=[x, _constant((1.0,), (1, 1)) if lam2 is None else lam2, signs2, 1.0 / math.sqrt(d),
                 _constant(codec.CLIP_RATIOS),
                 mx.array([bits, group_size, int(rotate), int(clip), rows_per_lam, n // signs2.shape[0],
-                          int(round_to_input), int(joined), int(align)], mx.int32)],
+                          int(round_to_input), int(joined), *_align_params(align, lead)], mx.int32)],
         template=[("T", x.dtype), ("D", d), ("ROWS", ROWS_PER_THREADGROUP)],
         grid=(32, n, 1),
         threadgroup=(32, min(ROWS_PER_THREADGROUP, n), 1),
@@ -82,10 +92,12 @@ def _rows_of(a: mx.array, lead: tuple, what: str) -> mx.array:
 
 
 def quantize_rows(x: mx.array, *, bits: int, group_size: int, lam: mx.array | None, signs: mx.array,
-                  rotate: bool, clip: bool, joined: bool = False, align: bool = False):
+                  rotate: bool, clip: bool, joined: bool = False, align=False):
     """Codes and scales of cache rows entering the packed segment, in one pass; equals
     ``dispatch.quantize_rows`` (``codec.quantize(hadamard(x / lam * signs), clip=clip,
-    align=align)``), packed codes and scales bit-exact.
+    align=align)``), packed codes and scales bit-exact.  ``align``: one alignment
+    (``codec.ALIGNMENTS``), or a ``(keys, values)`` pair when ``x`` stacks the two sides on
+    its first axis.
 
     Args:
         x: ``(..., n, d)`` rows in the cache dtype, any strides (a slice of a larger buffer is

@@ -291,18 +291,20 @@ def _same_bits(a: mx.array, b: mx.array) -> bool:
 
 def _check_quantize(dtype, d: int) -> str | None:
     """Six rows through the packing pass (key scales, signs, Walsh-Hadamard, clip search and
-    aligned scales as the presets pack, joined rows, 3 bits whose codes straddle words; then 2
-    bits, abs-max, no key scales, one group a row where d <= 128: an odd count of scales in the
-    joined row) and the plain quantize (abs-max, 4 bits)."""
+    aligned scales as the presets pack, keys half way and values all the way, joined rows, 3 bits
+    whose codes straddle words; then 2 bits, abs-max, no key scales, one group a row where
+    d <= 128: an odd count of scales in the joined row) and the plain quantize (abs-max, 4 bits)."""
     x = _inputs((2, 3, d), dtype, seed=d, outliers=True)
     lam = 1.0 + mx.abs(_inputs((2, 1, d), mx.float32, seed=d + 1))
     signs = rotation.random_signs(seed=1, dim=d)
     y = x.astype(mx.float32)
-    for bits, g, lam_, clip, align in ((3, 32, lam, True, True), (2, min(d, 128), None, False, False)):
+    for bits, g, lam_, clip, align in ((3, 32, lam, True, (0.5, 1.0)), (2, min(d, 128), None, False, (0, 0))):
+        # x's first axis as the cache stacks keys and values, each side with its own alignment
         rows = quantize_module.quantize_rows(x, bits=bits, group_size=g, lam=lam_, signs=signs, rotate=True,
                                              clip=clip, joined=True, align=align)
-        want = codec.join_rows(*codec.quantize(rotation.hadamard((y if lam_ is None else y / lam_) * signs), bits, g,
-                                               clip=clip, align=align))
+        y_rot = rotation.hadamard((y if lam_ is None else y / lam_) * signs)
+        want = mx.stack([codec.join_rows(*codec.quantize(y_rot[i], bits, g, clip=clip, align=a))
+                         for i, a in enumerate(align)])
         if not _same_bits(rows, want):
             how = f"{bits} bits, groups of {g}" + (", clip search, aligned scales" if clip else "")
             return f"packed rows ({how}) differ from the reference"

@@ -259,9 +259,9 @@ def _decode_side_by_side(batch, alone, steps, seed, cfg=CFG, check=None):
             check(t)
 
 
-@pytest.mark.parametrize("cfg", [CFG, OIQConfig.preset("3bit", window=8, sink_tokens=2, trim_reserve=4),
+@pytest.mark.parametrize("cfg", [CFG, OIQConfig.preset("3bit", window=8, sink_tokens=2, trim_reserve=4, key_alignment=0.5),
                                  OIQConfig(window=8, sink_tokens=2, trim_reserve=20, center_values=True)],
-                         ids=["4bit", "3bit-clip-scaled", "reserve20-vmean"])
+                         ids=["4bit", "3bit-clip-scaled-keys-half-aligned", "reserve20-vmean"])
 def test_stacked_decode_equals_each_sequence_alone(cfg):
     """Decode steps over storage stacked across sequences: every sequence attends to and
     stores exactly what it would alone, across packed blocks, compactions of the window,

@@ -365,6 +365,10 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
         (dict(clip="yes"), "clip must be True or False"),
         (dict(align_scales=1), "align_scales must be True or False"),
         (dict(key_scaling=2.0), "key_scaling must be a number in"),
+        (dict(key_alignment=0.25), "key_alignment must be one of \\(0.0, 0.5, 1.0\\)"),
+        (dict(key_alignment=True), "key_alignment must be 0, 0.5 or 1"),
+        (dict(key_alignment="0.5"), "key_alignment must be one of"),
+        (dict(align_scales=False, key_alignment=0.5), "key_alignment=0.5 .* needs align_scales=True"),
         (dict(key_scaling_cap=0.5), "key_scaling_cap must be 0 \\(no cap\\) or a number >= 1"),
         (dict(key_scaling_cap=float("nan")), "key_scaling_cap must be"),
         (dict(key_scaling_cap=True), "key_scaling_cap must be"),
@@ -377,6 +381,46 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OIQConfig(**kwargs)
+
+
+def test_scale_alignment_per_side():
+    """Keys take key_alignment, values the aligned scale, both nothing without align_scales; a
+    preset whose aligned scales are turned off drops its key alignment with them; a config file
+    written before the field existed reads as keys aligned all the way."""
+    assert OIQConfig().scale_alignment == (1.0, 1.0)
+    assert OIQConfig(key_alignment=0.5).scale_alignment == (0.5, 1.0)
+    assert OIQConfig(key_alignment=0).scale_alignment == (0.0, 1.0)
+    assert OIQConfig(align_scales=False).scale_alignment == (0.0, 0.0)
+    for name in ("4bit", "3bit", "2bit"):
+        assert OIQConfig.preset(name, align_scales=False).scale_alignment == (0.0, 0.0)
+    with pytest.raises(ValueError, match="needs align_scales=True"):
+        OIQConfig.preset("4bit", align_scales=False, key_alignment=0.5)
+    assert OIQConfig.from_json(OIQConfig(key_alignment=0.5).to_json()).scale_alignment == (0.5, 1.0)
+    old = json.loads(OIQConfig(key_alignment=0.5).to_json())
+    del old["key_alignment"]
+    assert OIQConfig.from_json(json.dumps(old)).key_alignment == 1.0
+
+
+@pytest.mark.parametrize("preset", ["2bit", "4bit"])  # keys and values packed in one pass / one each
+@pytest.mark.parametrize("key_alignment", [0.0, 0.5, 1.0])
+def test_packed_rows_take_each_sides_alignment(preset, key_alignment):
+    """The rows a cache packs (a prompt, then blocks of decode steps) are codec.quantize of its
+    rows in the packed domain with the keys' alignment on the keys and 1 on the values."""
+    cfg = OIQConfig.preset(preset, key_alignment=key_alignment, window=16, exact_prefill=0)
+    x = mx.random.normal((2, 1, 2, 120, 64), key=mx.random.key(7)) * mx.linspace(0.5, 3.0, 64)
+    cache = OIQKVCache(cfg)
+    cache.update_and_fetch(x[0, :, :, :80], x[1, :, :, :80])
+    for t in range(80, 120):
+        cache.update_and_fetch(x[0, :, :, t : t + 1], x[1, :, :, t : t + 1])
+        cache.release_fresh()
+    s, n = cfg.sink_tokens, cache.q_end - cfg.sink_tokens
+    assert n >= 96
+    for i, (side, align) in enumerate(zip((cache.k, cache.v), (key_alignment, 1.0))):
+        rows = x[i, :, :, s : s + n]
+        y = side.window_to_packed(rows if side.mean is None else rows - side.mean)
+        codes, scales = quantize(y, side.bits, cfg.group_size, clip=True, align=align)
+        assert mx.array_equal(side.codes[:, :, :n], codes), (preset, key_alignment, i)
+        assert mx.array_equal(side.scales[:, :, :n], scales), (preset, key_alignment, i)
 
 
 def test_head_dims_are_padded_or_rejected():

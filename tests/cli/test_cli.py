@@ -37,7 +37,7 @@ def _assert_usage_error(r, message):
 def test_cli_help_lists_every_option():
     out = _cli("--help").stdout
     for opt in ("--model", "--prompt", "--preset", "--k-bits", "--v-bits", "--group-size", "--sink-tokens", "--window",
-                "--quantize-after", "--clip", "--align-scales", "--no-align-scales", "--center-keys", "--no-center-keys", "--key-scaling", "--temp", "--seed",
+                "--quantize-after", "--clip", "--align-scales", "--no-align-scales", "--key-alignment", "--center-keys", "--no-center-keys", "--key-scaling", "--temp", "--seed",
                 "--system-prompt", "--no-oiq", "--layer-bits"):
         assert opt in out
 
@@ -195,6 +195,12 @@ def test_options_build_the_config():
     assert cfg == OIQConfig.preset("2bit", k_bits=3, clip=False, window=0)
     assert config_from_args(parse(["--preset", "3bit", "--no-align-scales"])) == OIQConfig.preset("3bit", align_scales=False)
     assert config_from_args(parse(["--align-scales"])) == OIQConfig(align_scales=True)
+    assert config_from_args(parse(["--preset", "3bit", "--key-alignment", "0.5"])).scale_alignment == (0.5, 1.0)
+    assert config_from_args(parse(["--preset", "2bit", "--key-alignment", "1"])).scale_alignment == (1.0, 1.0)
+    with pytest.raises(SystemExit):
+        parse(["--key-alignment", "0.3"])
+    with pytest.raises(ValueError, match="needs align_scales=True"):
+        config_from_args(parse(["--no-align-scales", "--key-alignment", "0.5"]))
     assert config_from_args(parse(["--no-center-keys", "--key-scaling", "0.5"])) == OIQConfig(center_keys=False, key_scaling=0.5)
     assert config_from_args(parse(["--preset", "3bit", "--key-scaling-cap", "0"])) == OIQConfig.preset("3bit", key_scaling_cap=0.0)
     cfg = config_from_args(parse(["--preset", "2bit", "--layer-bits", "4:3:3,8:4:3"]))

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from oiq_mlx.core import codec
-from oiq_mlx.core.codec import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, bytes_per_token, dequantize, join_rows, quantize
+from oiq_mlx.core.codec import (SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, alignment_pair, bytes_per_token, dequantize,
+                                 join_rows, quantize)
 
 COMBOS = [(b, g) for b in SUPPORTED_BITS for g in SUPPORTED_GROUP_SIZES]
 
@@ -86,6 +87,41 @@ def test_aligned_scales_keep_each_group_along_itself(bits, clip):
         mse = [mx.mean(mx.square(dequantize(c, s, bits, 32)[2:] - x[2:])).item()
                for c, s in ((plain_codes, plain_scales), (codes, scales))]
         assert mse[1] < 1.15 * mse[0]
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_half_aligned_scales_are_the_mean_of_chosen_and_aligned(bits):
+    """align=0.5 keeps the codes and stores (s_chosen + s_aligned) / 2 rounded to float16 (from
+    the aligned scale before its own rounding, so within a float16 step of the stored ones'): the
+    decoded group's projection on its input lies between the clip search's and 1; a zero group
+    keeps scale 0, a NaN group stays NaN; other alignments are refused by name."""
+    x = _data((128, 64), seed=bits + 7, outliers=False)
+    x[0, :32] = 0.0
+    x[1, 40] = mx.nan
+    (c0, s0), (c1, s1), (ch, sh) = (quantize(x, bits, 32, clip=True, align=a) for a in (False, True, 0.5))
+    assert mx.array_equal(ch, c0) and mx.array_equal(ch, c1)
+    want = (s0.astype(mx.float32) + s1.astype(mx.float32)) * 0.5
+    finite = ~mx.isnan(s0)
+    gap = mx.where(finite, mx.abs(sh.astype(mx.float32) - want) / mx.maximum(want, 1e-30), 0)
+    assert float(gap.max()) <= 2.0**-10 and mx.sum(sh != s0).item() > 0.9 * finite.sum().item()
+    assert float(sh[0, 0]) == 0.0 and bool(mx.isnan(sh[1, 1]))
+
+    def along(codes, scales):
+        y = dequantize(codes, scales, bits, 32)[2:].reshape(-1, 32)
+        g = x[2:].reshape(-1, 32)
+        return mx.mean(mx.sum(y * g, -1) / mx.sum(g * g, -1)).item()
+
+    assert along(c0, s0) < along(ch, sh) < along(c1, s1)
+    for bad in (0.25, 2, "0.5", None):
+        with pytest.raises(ValueError, match="align must be one of"):
+            quantize(x, bits, 32, align=bad)
+    # per side: keys and values stacked on a first axis of 2, or one alignment for every row
+    assert alignment_pair((0.5, True), (2, 5)) == (0.5, 1.0) and alignment_pair(True, (3, 5)) == (1.0, 1.0)
+    assert alignment_pair((1, 1), (3, 5)) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="a pair needs keys and values stacked on the first axis"):
+        alignment_pair((0.5, 1.0), (3, 5))
+    with pytest.raises(ValueError, match="one for keys and one for values"):
+        alignment_pair((0.5, 1.0, 1.0), (2, 5))
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])

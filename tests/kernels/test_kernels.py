@@ -122,13 +122,15 @@ def _spec_rows(x, lam, signs, bits, group_size, clip, align=False):
                           align=align)
 
 
-@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit"])
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit", "3bit:key_alignment=0", "2bit:key_alignment=1"])
 @pytest.mark.parametrize("d, dtype", [(64, mx.float16), (128, mx.bfloat16), (32, mx.float32), (256, mx.float16)])
 def test_fused_quantize_rows_bit_exact(metal_emulator, preset, d, dtype):
     """The production packing pass (key scales, per-side signs, Walsh-Hadamard, abs-max or the
-    MSE clip search, rounding, packing) in one kernel, keys and values stacked as the cache
-    stacks them: codes and scales bit-exact against the reference codec for every preset."""
-    cfg = OIQConfig.preset(preset)
+    MSE clip search, rounding, aligned scales of each side's own alignment, packing) in one
+    kernel, keys and values stacked as the cache stacks them: codes and scales bit-exact
+    against the reference codec for every preset."""
+    name, _, override = preset.partition(":")
+    cfg = OIQConfig.preset(name, **({override.split("=")[0]: float(override.split("=")[1])} if override else {}))
     B, H, n = 1, 3, 16
     k = _heavy_tailed((B, H, n, d), dtype, seed=d)
     v = mx.random.normal((B, H, n, d), key=mx.random.key(d)).astype(dtype)
@@ -137,15 +139,16 @@ def test_fused_quantize_rows_bit_exact(metal_emulator, preset, d, dtype):
     codes, scales = kernel_quantize_rows(mx.stack([k, v]), bits=cfg.k_bits, group_size=cfg.group_size,
                                          clip=cfg.clip, lam=mx.stack([lam, mx.ones_like(lam)]),
                                          signs=mx.stack([ks, vs]).reshape(2, 1, 1, 1, d), rotate=True,
-                                         align=cfg.align_scales)
+                                         align=cfg.scale_alignment)
     for i, (x, l_, s_) in enumerate(((k, lam, ks), (v, None, vs))):
-        want_codes, want_scales = _spec_rows(x, l_, s_, cfg.k_bits, cfg.group_size, cfg.clip, cfg.align_scales)
+        want_codes, want_scales = _spec_rows(x, l_, s_, cfg.k_bits, cfg.group_size, cfg.clip,
+                                             cfg.scale_alignment[i])
         _assert_bit_exact(codes[i], want_codes, f"codes side {i}")
         _assert_bit_exact(scales[i], want_scales, f"scales side {i}")
 
 
-@pytest.mark.parametrize("clip, align", [(True, False), (True, True), (False, True)],
-                         ids=["clip", "clip-aligned", "absmax-aligned"])
+@pytest.mark.parametrize("clip, align", [(True, False), (True, True), (False, True), (True, 0.5), (False, 0.5)],
+                         ids=["clip", "clip-aligned", "absmax-aligned", "clip-half-aligned", "absmax-half-aligned"])
 @pytest.mark.parametrize("bits, group_size", [(2, 32), (3, 64), (4, 128), (8, 32), (5, 32), (6, 64)])
 def test_fused_clip_search_bit_exact_and_non_finite(metal_emulator, bits, group_size, clip, align):
     """The clip search and the aligned scale (no rotation, no key scales), with ties, zeros, huge
@@ -189,17 +192,17 @@ def test_fused_quantize_rows_joined_bit_exact(metal_emulator, preset, d, group_s
     buf[1, 0, 1, 9, 3] = mx.nan  # one value row: its first group's scale NaN, codes 0
     a, b = 5, 18
     rows = kernel_quantize_rows(buf[:, :, :, a:b], bits=cfg.k_bits, group_size=g, clip=cfg.clip, lam=lam,
-                                signs=signs, rotate=True, joined=True, align=cfg.align_scales)
+                                signs=signs, rotate=True, joined=True, align=cfg.scale_alignment)
     w = codec.packed_width(d, cfg.k_bits)
     assert rows.dtype == mx.uint32 and rows.shape == (2, 1, 3, b - a, codec.row_width(d, cfg.k_bits, g))
     for i, lam_i in enumerate((lam[0], None)):
         want = codec.join_rows(*_spec_rows(buf[i, :, :, a:b], lam_i, signs[i].reshape(d), cfg.k_bits, g, cfg.clip,
-                                           cfg.align_scales))
+                                           cfg.scale_alignment[i]))
         _assert_rows_bit_exact(rows[i], want, w, f"joined rows side {i}")
     with pytest.MonkeyPatch.context() as m:
         m.setattr(dispatch, "kernels_enabled", lambda: False)
         reference = dispatch.quantize_rows(buf[:, :, :, a:b], cfg.k_bits, g, clip=cfg.clip, lam=lam, signs=signs,
-                                           joined=True, align=cfg.align_scales)
+                                           joined=True, align=cfg.scale_alignment)
     _assert_rows_bit_exact(rows, reference, w, "joined rows against dispatch's reference path")
     # the rotation spreads the NaN over its row: every scale NaN, every code 0; other rows finite
     halves = np.array(rows)[..., w:].view(np.uint16)[..., : d // g] & 0x7FFF
