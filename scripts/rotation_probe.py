@@ -38,9 +38,12 @@ from oiq_mlx.eval.specs import split_spec_list
 
 def run_mse(args, model, tokenizer, progress) -> dict:
     cfg = OIQConfig.preset(args.preset)
+    # both texts tokenized (and long enough) before the model runs on either
+    calib_ids = probes.tokens_of(tokenizer, args.calib, args.calib_tokens)
+    held_ids = probes.tokens_of(tokenizer, args.text, args.tokens)
     progress(f"capturing {args.calib_tokens} tokens of {args.calib} and {args.tokens} of {args.text}")
-    calib = rotation.packed_rows(model, probes.tokens_of(tokenizer, args.calib, args.calib_tokens), cfg)
-    held = rotation.packed_rows(model, probes.tokens_of(tokenizer, args.text, args.tokens), cfg)
+    calib = rotation.packed_rows(model, calib_ids, cfg)
+    held = rotation.packed_rows(model, held_ids, cfg)
     result = rotation.packed_errors(calib, held, cfg, eval_from=args.eval_from, online=args.online, progress=progress)
     print(f"{args.preset}: relative squared error of the packed rows, positions {args.eval_from}-{args.tokens} of "
           f"{os.path.basename(args.text)}; R calibrated on {os.path.basename(args.calib)} positions "
@@ -52,12 +55,12 @@ def run_mse(args, model, tokenizer, progress) -> dict:
 def run_ppl(args, model, tokenizer, progress) -> dict:
     specs = [fidelity.parse_spec(c) for c in split_spec_list(args.caches)]
     tokens = probes.tokens_of(tokenizer, args.text)
+    calib_ids = probes.tokens_of(tokenizer, args.calib, args.calib_tokens)  # refused now, not after a sweep
     kw = probes.sweep_options(args, progress)
     before = fidelity.sweep(model, tokens, specs, **kw)
     progress(f"calibrating value rotations on {args.calib_tokens} tokens of {args.calib}")
     cfg = OIQConfig.preset(args.preset)
-    rotation.fold_value_rotations(model, rotation.packed_rows(model, probes.tokens_of(tokenizer, args.calib, args.calib_tokens),
-                                                              cfg))
+    rotation.fold_value_rotations(model, rotation.packed_rows(model, calib_ids, cfg))
     result = {"before": before, "after": fidelity.sweep(model, tokens, specs, **kw)}
     print(f"{os.path.basename(args.text)}, prompt {args.prompt}, scored {args.scored}, chunk {args.chunk}, "
           f"{args.windows} windows; value rotations calibrated on {os.path.basename(args.calib)} "

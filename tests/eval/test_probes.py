@@ -28,7 +28,10 @@ def test_codebook_probe_mse_writes_what_the_docs_render(tmp_path):
 
 
 def test_probes_refuse_a_text_too_short_and_an_unknown_codebook():
+    """Before the model runs on any text (each of these ends in seconds)."""
     r = _run("scripts/rotation_probe.py", "mse", "--tokens", "99999", "--eval-from", "100", "--quiet")
     assert r.returncode != 0 and "fewer than the 99999 asked for" in r.stderr
+    r = _run("scripts/rotation_probe.py", "ppl", "--calib-tokens", "99999", "--quiet")
+    assert r.returncode != 0 and "fewer than the 99999 asked for" in r.stderr and "prideprejudice" in r.stderr
     r = _run("scripts/codebook_probe.py", "mse", "--variants", "vq-4", "--quiet")
     assert r.returncode == 2 and "unknown codebook 'vq-4'" in r.stderr
