@@ -122,7 +122,7 @@ def _spec_rows(x, lam, signs, bits, group_size, clip, align=False):
                           align=align)
 
 
-@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit", "3bit:key_alignment=0", "2bit:key_alignment=1"])
+@pytest.mark.parametrize("preset", ["4bit", "3bit", "2bit", "3bit:key_alignment=0", "2bit:key_alignment=0.5"])
 @pytest.mark.parametrize("d, dtype", [(64, mx.float16), (128, mx.bfloat16), (32, mx.float32), (256, mx.float16)])
 def test_fused_quantize_rows_bit_exact(metal_emulator, preset, d, dtype):
     """The production packing pass (key scales, per-side signs, Walsh-Hadamard, abs-max or the
