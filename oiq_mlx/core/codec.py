@@ -214,11 +214,11 @@ def _codes_for_scale(yg: mx.array, scale: mx.array, bits: int) -> mx.array:
 ALIGNMENTS = (0.0, 0.5, 1.0)
 
 
-def check_alignment(align, what: str = "align") -> float:
+def check_alignment(align) -> float:
     """``align`` as one of :data:`ALIGNMENTS` (False / True are 0 and 1), else ValueError."""
-    if align in ALIGNMENTS and not isinstance(align, str):
+    if align in ALIGNMENTS:
         return float(align)
-    raise ValueError(f"{what} must be one of {ALIGNMENTS} (or False / True), got {align!r}")
+    raise ValueError(f"align must be one of {ALIGNMENTS} (or False / True), got {align!r}")
 
 
 def alignment_pair(align, lead: tuple) -> tuple[float, float]:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from . import fp4
-from .codec import bytes_per_token, check_alignment, check_bits, check_group_size
+from .codec import ALIGNMENTS, bytes_per_token, check_bits, check_group_size
 from .rotation import hadamard_block_size
 
 
@@ -236,9 +236,9 @@ class OIQConfig:
         for name in ("clip", "align_scales", "center_keys", "center_values", "positional"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if isinstance(self.key_alignment, bool):
+        if isinstance(self.key_alignment, bool) or self.key_alignment not in ALIGNMENTS:
             raise ValueError(f"key_alignment must be 0, 0.5 or 1, got {self.key_alignment!r}")
-        object.__setattr__(self, "key_alignment", check_alignment(self.key_alignment, "key_alignment"))
+        object.__setattr__(self, "key_alignment", float(self.key_alignment))
         if self.key_alignment != 1.0 and not self.align_scales:
             raise ValueError(f"key_alignment={self.key_alignment} sets how far aligned key scales go: it needs "
                              "align_scales=True")
@@ -296,10 +296,7 @@ class OIQConfig:
         """
         if name not in PRESETS:
             raise ValueError(f"unknown OIQ preset {name!r}; choose one of {', '.join(PRESETS)}")
-        fields = {**PRESETS[name], **overrides}
-        if fields.get("align_scales") is False and "key_alignment" not in overrides:
-            fields.pop("key_alignment", None)  # the preset's key alignment goes with its aligned scales
-        return cls(**fields)
+        return cls(**{**PRESETS[name], **overrides})
 
     def storage_dim(self, head_dim: int) -> int:
         """Length of the stored (rotated) vectors for a head of ``head_dim``.

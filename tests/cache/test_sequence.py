@@ -365,9 +365,9 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
         (dict(clip="yes"), "clip must be True or False"),
         (dict(align_scales=1), "align_scales must be True or False"),
         (dict(key_scaling=2.0), "key_scaling must be a number in"),
-        (dict(key_alignment=0.25), "key_alignment must be one of \\(0.0, 0.5, 1.0\\)"),
-        (dict(key_alignment=True), "key_alignment must be 0, 0.5 or 1"),
-        (dict(key_alignment="0.5"), "key_alignment must be one of"),
+        (dict(key_alignment=0.25), "key_alignment must be 0, 0.5 or 1, got 0.25"),
+        (dict(key_alignment=True), "key_alignment must be 0, 0.5 or 1, got True"),
+        (dict(key_alignment="0.5"), "key_alignment must be 0, 0.5 or 1, got '0.5'"),
         (dict(align_scales=False, key_alignment=0.5), "key_alignment=0.5 .* needs align_scales=True"),
         (dict(key_scaling_cap=0.5), "key_scaling_cap must be 0 \\(no cap\\) or a number >= 1"),
         (dict(key_scaling_cap=float("nan")), "key_scaling_cap must be"),
@@ -384,9 +384,9 @@ def test_bad_config(kwargs, match):
 
 
 def test_scale_alignment_per_side():
-    """Keys take key_alignment, values the aligned scale, both nothing without align_scales; a
-    preset whose aligned scales are turned off drops its key alignment with them; a config file
-    written before the field existed reads as keys aligned all the way."""
+    """Keys take key_alignment, values the aligned scale, both nothing without align_scales (a
+    preset's too); a config file written before the field existed reads as keys aligned all the
+    way."""
     assert OIQConfig().scale_alignment == (1.0, 1.0)
     assert OIQConfig(key_alignment=0.5).scale_alignment == (0.5, 1.0)
     assert OIQConfig(key_alignment=0).scale_alignment == (0.0, 1.0)
