@@ -123,13 +123,19 @@ def test_metal_path_dispatches(preset, dtype):
     assert r["mean"] <= 4 + (2 * (pack - 4) + 2) / OIQKVCache.flush_block + 0.05, r["per_step"]
 
 
-@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "metal"])
-def test_stacked_batch_step_dispatches_do_not_grow_with_the_batch(kernels):
+@pytest.mark.parametrize("kernels,score_min", [(False, 0), (False, 1 << 40), (True, 0)],
+                         ids=["reference-dequantized-keys", "reference-quantized-matmul", "metal"])
+def test_stacked_batch_step_dispatches_do_not_grow_with_the_batch(kernels, score_min, monkeypatch):
     """One decode step of a batch over stacked storage (oiq_mlx.cache.stacked) launches as much for
     eight sequences of different lengths as for one; on the Metal path (traced, unverified on
-    hardware) that is the centering, the window write, the attention and merge kernels."""
+    hardware) that is the centering, the window write, the attention and merge kernels.  The
+    reference path scores packed keys by dequantizing them or by MLX's quantized_matmul, by their
+    size (CPU_SCORE_MIN_VALUES, which eight sequences pass and one does not): each way is compared
+    with itself."""
+    from oiq_mlx.cache import attention
     from oiq_mlx.cache.attention import oiq_batch_attention
 
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_VALUES", score_min)
     cfg = OIQConfig.preset("4bit")
     H, d = 2, 64
 

@@ -249,6 +249,42 @@ def test_decode_and_prefill_paths_agree(preset, monkeypatch):
         assert float(mx.abs(dec - pre).max()) < 1e-4
 
 
+@pytest.mark.parametrize("preset", ["4bit", "3bit"])
+def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
+    """On the CPU a decode step scores the packed keys by dequantizing them a chunk of rows at a
+    time (at most CPU_SCORE_VALUES values, so the float copy stays bounded at any length) and a
+    matmul when a KV head has several query rows: every packed row once, and the output of many
+    chunks is that of one, which is attention over what the cache stores."""
+    cache = OIQKVCache(OIQConfig.preset(preset))
+    k, v = mx.random.normal((2, 1, 2, 700, 64), key=mx.random.key(3))
+    cache.update_and_fetch(k, v)
+    cache.release_fresh()
+    cache.end_prefill()
+    cache.update_and_fetch(k[:, :, :1], v[:, :, :1])
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(4))
+    rows, real = [], attention.dequantize_repacked
+
+    def recording(codes, scales, bits, group_size):
+        rows.append(codes.shape[2])
+        return real(codes, scales, bits, group_size)
+
+    monkeypatch.setattr(attention, "dequantize_repacked", recording)
+    whole = oiq_attention(q, cache, 0.125)
+    packed = cache.q_end - cache.config.sink_tokens
+    assert rows == [packed] and packed > 600
+    rows.clear()
+    monkeypatch.setattr(attention, "CPU_SCORE_VALUES", 2 * 64 * 128)  # 2 heads x 64 values: 128 rows
+    chunked = oiq_attention(q, cache, 0.125)
+    assert sum(rows) == packed and max(rows) == 128 and len(rows) == -(-packed // 128), rows
+    assert float(mx.abs(chunked - whole).max()) < 1e-6
+    kd, vd = cache.dequantized_kv()
+    assert float(mx.abs(whole - reference_attention(q, kd, vd, 0.125)).max()) < 1e-4
+    rows.clear()  # one query row per KV head: MLX's quantized_matmul, which is faster there
+    one = mx.random.normal((1, 2, 1, 64))
+    assert float(mx.abs(oiq_attention(one, cache, 0.125) - reference_attention(one, kd, vd, 0.125)).max()) < 1e-4
+    assert rows == []
+
+
 @pytest.mark.parametrize("preset", ["4bit", "2bit"])
 def test_repacked_values_are_kept_between_blocks_and_counted(preset, monkeypatch):
     """On the CPU a decode step reads the packed values repacked for MLX's kernel.  The copy kept

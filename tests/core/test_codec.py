@@ -245,6 +245,22 @@ def test_repack_codes_keeps_every_code(bits, to, rows):
     assert mx.array_equal(got, want).item()
 
 
+@pytest.mark.parametrize("bits", codec.SUPPORTED_BITS)
+@pytest.mark.parametrize("group_size,rows", [(32, 1), (64, 63), (128, 1500), (32, 700)])
+def test_dequantize_repacked_is_dequantize(bits, group_size, rows):
+    """The CPU path's dequantization (codes repacked to bytes, one fused decode) gives
+    ``dequantize``'s float32 values bit for bit, from a strided view of joined rows as the
+    cache hands them over, float16 or float32 scales."""
+    y = mx.random.normal((2, 3, rows, 128), key=mx.random.key(bits * 7 + rows))
+    codes, scales = quantize(y, bits, group_size, clip=True)
+    joined = mx.concatenate([codes, mx.zeros((2, 3, rows, 1), mx.uint32)], axis=-1)[..., : codes.shape[-1]]
+    want = dequantize(codes, scales, bits, group_size)
+    for s in (scales, scales.astype(mx.float32)):
+        got = codec.dequantize_repacked(joined, s, bits, group_size)
+        assert got.dtype == mx.float32 and got.shape == want.shape
+        assert mx.array_equal(got, want).item()
+
+
 def test_repack_codes_bad_widths():
     packed = codec.pack_codes(mx.zeros((4, 32), mx.uint32), 3)
     with pytest.raises(ValueError, match="4 or 8 bits"):
