@@ -16,7 +16,10 @@ Two reference paths (plain MLX ops), picked by the number of queries:
   segments; the elementwise steps are compiled.  On the CPU, values of 2, 3,
   5 or 6 bits are first repacked to 8 bits (``codec.repack_codes``:
   the same codes, a few fused passes), the width MLX's CPU kernel reads
-  several times faster (DESIGN.md section 5);
+  several times faster, and the packed keys of a KV head with several query
+  rows are dequantized a bounded chunk at a time and multiplied, which costs
+  less than MLX's CPU kernel scoring each query row on its own (DESIGN.md
+  section 5);
 * prefill: the packed segment is dequantized into the window's domain for
   this layer only and ``mx.fast.scaled_dot_product_attention`` runs on the
   keys/values, so peak memory stays that of the full-precision cache of one
@@ -288,15 +291,18 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
                                          bits=4, mode=mode))
     elif quant is not None:
         kc, ks, vc, vs = quant
+        qk = qr.reshape(B, n_kv, rep * L, dq)
+        dequantized = mx.default_device() == mx.cpu and rep * L >= CPU_SCORE_MIN_QUERIES \
+            and kc.size * 32 // k.bits >= CPU_SCORE_MIN_VALUES
         pair = cache.packed_scales(kc.shape[2]) if k.bits == v.bits else None
         if pair is not None:
             # keys' and values' scales share one buffer: one conversion for both
             (ks, vs), (kb, vb) = (halves(x) for x in _affine(pair, _HALF[k.bits]))
+        elif dequantized:
+            vs, vb = _affine(vs, _HALF[v.bits])  # the keys' dequantization converts their scales itself
         else:
             (ks, kb), (vs, vb) = _affine(ks, _HALF[k.bits]), _affine(vs, _HALF[v.bits])
-        qk = qr.reshape(B, n_kv, rep * L, dq)
-        if mx.default_device() == mx.cpu and rep * L >= CPU_SCORE_MIN_QUERIES \
-                and kc.size * 32 // k.bits >= CPU_SCORE_MIN_VALUES:
+        if dequantized:
             parts.append(_cpu_scores(qk, kc, ks, k.bits, gs))
         else:
             parts.append(mx.quantized_matmul(qk, kc, ks, kb, transpose=True, group_size=gs, bits=k.bits))

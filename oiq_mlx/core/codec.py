@@ -416,22 +416,10 @@ def repack_codes(codes: mx.array, bits: int, to_bits: int) -> mx.array:
     return out[..., :n, :] if nb > n else out
 
 
-@functools.lru_cache(maxsize=None)
-def _decode_bytes(bits: int):
-    """A compiled (shapeless) ``(codes as uint8, float32 scales per group) -> float32`` decode:
-    :func:`dequantize`'s arithmetic, one fused pass."""
-    half = mx.array(_levels_half(bits), mx.float32)
-
-    def decode(c, s):
-        return (c.astype(mx.float32) - half) * s
-
-    return mx.compile(decode, shapeless=True)
-
-
 def dequantize_repacked(codes: mx.array, scales: mx.array, bits: int, group_size: int) -> mx.array:
     """:func:`dequantize` of packed rows ``(..., n, W)`` as float32, bit for bit, by repacking the
-    codes to one byte each (:func:`repack_codes`) and decoding the bytes in one fused pass: a
-    few passes over the rows where :func:`dequantize` gathers every code.  ``scales``:
+    codes to one byte each (:func:`repack_codes`) and decoding the bytes: a few passes over the
+    rows where :func:`dequantize` gathers every code.  ``scales``:
     ``(..., n, groups)``, float16 or float32.  For the CPU backend, where this and a matmul
     score packed keys several times faster than ``mx.quantized_matmul`` (``transpose=True``
     costs as much per query row as a whole dequantization)."""
@@ -439,5 +427,7 @@ def dequantize_repacked(codes: mx.array, scales: mx.array, bits: int, group_size
     d = nw * 32 // bits
     c = repack_codes(codes, bits, 8)
     c = c.view(mx.uint8).reshape(*lead, n, d // group_size, group_size)
-    out = _decode_bytes(bits)(c, mx.expand_dims(scales.astype(mx.float32), -1))
+    # plain ops: MLX's CPU backend runs these three faster than one compiled kernel of them (at 4096
+    # rows x 3 heads x 64: 0.47 ms against 0.65 for fixed shapes, 0.74 shapeless)
+    out = (c.astype(mx.float32) - _levels_half(bits)) * mx.expand_dims(scales.astype(mx.float32), -1)
     return out.reshape(*lead, n, d)
