@@ -50,11 +50,12 @@ _ONE = mx.array(1.0, mx.float32)
 _ZERO = mx.array(0.0, mx.float32)
 # The CPU reference path scores packed keys by dequantizing them (:func:`_cpu_scores`) when a KV
 # head has at least CPU_SCORE_MIN_QUERIES query rows and its packed keys hold at least
-# CPU_SCORE_MIN_VALUES values (2 cores, 5-bit keys: 2048 rows x 3 heads x 64, 3 query rows per
-# head 0.8 ms against quantized_matmul's 1.3, 1 row 1.1 against 0.8; 256 rows, 3 query rows 0.40
-# against 0.35), at most CPU_SCORE_VALUES at a time: a bound on the float32 copy, 4 MiB
+# CPU_SCORE_MIN_VALUES values (2 cores, 5-bit keys, 3 heads x 64: 2048 rows, 3 query rows per head
+# 0.8 ms against quantized_matmul's 1.3, 1 row 1.1 against 0.8; 512 rows even alone, and a whole
+# SmolLM2 decode step at 512 tokens slower with it), at most CPU_SCORE_VALUES at a time: a bound on
+# the float32 copy, 4 MiB
 CPU_SCORE_MIN_QUERIES = 2
-CPU_SCORE_MIN_VALUES = 1 << 16
+CPU_SCORE_MIN_VALUES = 1 << 18
 CPU_SCORE_VALUES = 1 << 20
 # -(2^b - 1) / 2 for each bits: the affine bias of a group is this times its scale
 _HALF = {b: mx.array(-((1 << b) - 1) / 2, mx.float32) for b in SUPPORTED_BITS}

@@ -253,8 +253,9 @@ def test_decode_and_prefill_paths_agree(preset, monkeypatch):
 def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
     """On the CPU a decode step scores the packed keys by dequantizing them a chunk of rows at a
     time (at most CPU_SCORE_VALUES values, so the float copy stays bounded at any length) and a
-    matmul when a KV head has several query rows: every packed row once, and the output of many
-    chunks is that of one, which is attention over what the cache stores."""
+    matmul when a KV head has several query rows and the packed keys at least CPU_SCORE_MIN_VALUES
+    values: every packed row once, and the output of many chunks is that of one and of
+    quantized_matmul, which is attention over what the cache stores."""
     cache = OIQKVCache(OIQConfig.preset(preset))
     k, v = mx.random.normal((2, 1, 2, 700, 64), key=mx.random.key(3))
     cache.update_and_fetch(k, v)
@@ -269,9 +270,14 @@ def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
         return real(codes, scales, bits, group_size)
 
     monkeypatch.setattr(attention, "dequantize_repacked", recording)
-    whole = oiq_attention(q, cache, 0.125)
     packed = cache.q_end - cache.config.sink_tokens
-    assert rows == [packed] and packed > 600
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_VALUES", packed * 2 * 64 + 1)  # too few: quantized_matmul
+    below = oiq_attention(q, cache, 0.125)
+    assert rows == [] and packed > 600
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_VALUES", packed * 2 * 64)
+    whole = oiq_attention(q, cache, 0.125)
+    assert rows == [packed]
+    assert float(mx.abs(below - whole).max()) < 1e-5
     rows.clear()
     monkeypatch.setattr(attention, "CPU_SCORE_VALUES", 2 * 64 * 128)  # 2 heads x 64 values: 128 rows
     chunked = oiq_attention(q, cache, 0.125)
