@@ -258,9 +258,15 @@ def _cpu_scores(q: mx.array, codes: mx.array, scales: mx.array, bits: int, group
     for x in lead:
         per_row *= x
     step = 1 << max(6, (CPU_SCORE_VALUES // per_row).bit_length() - 1)
-    parts = [q @ dequantize_repacked(codes[..., i : i + step, :], scales[..., i : i + step, :], bits,
-                                     group_size).swapaxes(-1, -2)
-             for i in range(0, n, step)]
+    parts = []
+    for i in range(0, n, step):
+        # one chunk's float copy at a time, made once this layer's queries are: the first chunk
+        # waits for them, each next one for the product of the one before (else MLX may dequantize
+        # the packed keys of several chunks, and layers, at once: 47 MiB over a SmolLM2 step at
+        # 8k tokens where one at a time takes 10)
+        chunk = mx.depends(codes[..., i : i + step, :], parts[-1] if parts else q)
+        keys = dequantize_repacked(chunk, scales[..., i : i + step, :], bits, group_size)
+        parts.append(q @ keys.swapaxes(-1, -2))
     return mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
