@@ -361,6 +361,7 @@ class OIQAPIHandler(_server.APIHandler):
 
     def do_POST(self):
         self.answered = False
+        self.answering = None  # the model key of the request being answered (handle_completion)
         try:
             super().do_POST()
         except UnicodeDecodeError as e:
@@ -384,6 +385,8 @@ class OIQAPIHandler(_server.APIHandler):
         error = sys.exc_info()[1]
         if status_code == 404 and isinstance(error, RequestError):
             status_code = error.status
+        if status_code != 200:  # an error answer: the request is over
+            self._answered()
         super()._set_completion_headers(status_code)
 
     def _refuse(self, status: int, message: str) -> None:
@@ -406,10 +409,24 @@ class OIQAPIHandler(_server.APIHandler):
             return self._refuse(409, f"model {asked!r} is not the model {served!r}, which is answering "
                                      f"{busy[1]} request(s); the server holds one model and loads {asked!r} "
                                      f"once they finish: retry then, or ask for {served!r}")
+        self.answering = key
         try:
             return super().handle_completion(request, stop_words)
         finally:
-            generator.end(key)
+            self._answered()
+
+    def _answered(self) -> None:
+        """Stop counting this request as being answered: once, before the last of its
+        answer is written, so that a client reading the answer and asking at once for
+        another model does not find this request still counted."""
+        key, self.answering = self.answering, None
+        if key is not None:
+            self.response_generator.end(key)
+
+    def generate_response(self, text, finish_reason, *args, **kwargs):
+        if finish_reason is not None:  # the answer's last part (streamed or not)
+            self._answered()
+        return super().generate_response(text, finish_reason, *args, **kwargs)
 
 
 class OIQHTTPServer(ThreadingHTTPServer):

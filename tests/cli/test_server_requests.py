@@ -187,6 +187,56 @@ def test_other_model_names_while_a_batch_runs_are_answered_at_once(server, tmp_p
     assert server.alive()
 
 
+def _handler(monkeypatch, answer):
+    """An OIQAPIHandler, without a socket, whose mlx-lm part is ``answer(handler)`` (in place of
+    mlx-lm's ``handle_completion``), for one model ``"demo"``."""
+    from mlx_lm import server as mlx_server
+
+    from oiq_mlx.mlx_lm.server import OIQAPIHandler, OIQResponseGenerator
+
+    generator = OIQResponseGenerator.__new__(OIQResponseGenerator)
+    generator.active, generator.active_lock = {}, threading.Lock()
+    generator.model_provider = SimpleNamespace(request_key=lambda *a: ("demo", None, None),
+                                               served_name=lambda key=None: "demo")
+    handler = OIQAPIHandler.__new__(OIQAPIHandler)
+    handler.response_generator = generator
+    handler.requested_model, handler.adapter, handler.requested_draft_model = "demo", None, None
+    handler.answered, handler.answering = False, None
+    monkeypatch.setattr(mlx_server.APIHandler, "handle_completion", lambda self, *a: answer(self))
+    monkeypatch.setattr(mlx_server.APIHandler, "generate_response", lambda self, *a, **k: {})
+    monkeypatch.setattr(mlx_server.APIHandler, "_set_completion_headers", lambda self, status: None)
+    return handler, generator
+
+
+@pytest.mark.parametrize("how", ["whole", "streamed", "error"])
+def test_a_request_is_no_longer_counted_when_its_answer_is_written(monkeypatch, how):
+    # a client that reads its answer and at once asks for another model must not find this
+    # request still counted as being answered (the 409 of the test above, by a race)
+    seen = []
+
+    def answer(handler):  # the order of mlx-lm's handle_completion
+        if how == "error":
+            try:
+                raise RequestError(400, "bad")
+            except RequestError:
+                handler._set_completion_headers(404)
+        else:
+            if how == "streamed":
+                handler.generate_response("a", None)
+            seen.append(dict(generator.active))  # generating: counted
+            handler.generate_response("b", "stop")
+        seen.append(dict(generator.active))  # the answer's last bytes are written here
+
+    handler, generator = _handler(monkeypatch, answer)
+    handler.handle_completion(None, [])
+    assert seen[-1] == {("demo", None, None): 0}, seen
+    if how != "error":
+        assert seen[0] == {("demo", None, None): 1}, seen
+    assert generator.active == {("demo", None, None): 0}  # released once, not twice
+    handler.handle_completion(None, [])  # the same connection's next request
+    assert generator.active == {("demo", None, None): 0}
+
+
 def _round(port, bad=None):
     """The fifteen good prompts at once, and ``bad`` (a request body, or ``"disconnect"``) among them."""
     answers = [None] * 16
