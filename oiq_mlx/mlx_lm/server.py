@@ -336,6 +336,8 @@ class OIQAPIHandler(_server.APIHandler):
     (mlx-lm would let them all finish first, the client waiting).  mlx-lm answers every
     error raised while a request is prepared with 404."""
 
+    answering = None  # the model key of the request being answered (handle_completion)
+
     def validate_model_parameters(self) -> None:
         super().validate_model_parameters()
         if "max_tokens" not in self.body and self.body.get("max_completion_tokens") is None:
@@ -361,7 +363,6 @@ class OIQAPIHandler(_server.APIHandler):
 
     def do_POST(self):
         self.answered = False
-        self.answering = None  # the model key of the request being answered (handle_completion)
         try:
             super().do_POST()
         except UnicodeDecodeError as e:

@@ -201,7 +201,7 @@ def _handler(monkeypatch, answer):
     handler = OIQAPIHandler.__new__(OIQAPIHandler)
     handler.response_generator = generator
     handler.requested_model, handler.adapter, handler.requested_draft_model = "demo", None, None
-    handler.answered, handler.answering = False, None
+    handler.answered = False
     monkeypatch.setattr(mlx_server.APIHandler, "handle_completion", lambda self, *a: answer(self))
     monkeypatch.setattr(mlx_server.APIHandler, "generate_response", lambda self, *a, **k: {})
     monkeypatch.setattr(mlx_server.APIHandler, "_set_completion_headers", lambda self, status: None)
@@ -228,6 +228,8 @@ def test_a_request_is_no_longer_counted_when_its_answer_is_written(monkeypatch, 
         seen.append(dict(generator.active))  # the answer's last bytes are written here
 
     handler, generator = _handler(monkeypatch, answer)
+    handler._set_completion_headers(404)  # an error answer to a GET: nothing counted, nothing released
+    assert generator.active == {}
     handler.handle_completion(None, [])
     assert seen[-1] == {("demo", None, None): 0}, seen
     if how != "error":
