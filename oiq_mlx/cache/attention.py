@@ -49,13 +49,15 @@ DECODE_MAX_QUERIES = 8
 _ONE = mx.array(1.0, mx.float32)
 _ZERO = mx.array(0.0, mx.float32)
 # The CPU reference path scores packed keys by dequantizing them (:func:`_cpu_scores`) when a KV
-# head has at least CPU_SCORE_MIN_QUERIES query rows and its packed keys hold at least
-# CPU_SCORE_MIN_VALUES values (2 cores, 5-bit keys, 3 heads x 64: 2048 rows, 3 query rows per head
-# 0.8 ms against quantized_matmul's 1.3, 1 row 1.1 against 0.8; 512 rows even alone, and a whole
-# SmolLM2 decode step at 512 tokens slower with it), at most CPU_SCORE_VALUES at a time: a bound on
-# the float32 copy, 4 MiB
+# head has at least CPU_SCORE_MIN_QUERIES query rows and the query rows times the packed key values
+# reach CPU_SCORE_MIN_WORK: MLX's quantized_matmul costs about that product, the dequantization
+# about the values alone (2 cores, 5-bit keys, 3 heads x 64: 3 query rows even at 256 rows, 24 rows
+# at 128 rows 1.1 ms against 0.36; 1 row 0.29 against 0.55 at 1024 rows).  786k: a one-token step
+# of 3 query rows per KV head from 1365 packed rows at SmolLM2's shapes (a whole SmolLM2 decode step
+# at 512 tokens ran slower below it), a chunk of 8 tokens from 171.  At most CPU_SCORE_VALUES
+# values at a time: a bound on the float32 copy, 4 MiB
 CPU_SCORE_MIN_QUERIES = 2
-CPU_SCORE_MIN_VALUES = 1 << 18
+CPU_SCORE_MIN_WORK = 3 << 18
 CPU_SCORE_VALUES = 1 << 20
 # -(2^b - 1) / 2 for each bits: the affine bias of a group is this times its scale
 _HALF = {b: mx.array(-((1 << b) - 1) / 2, mx.float32) for b in SUPPORTED_BITS}
@@ -300,7 +302,7 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
         kc, ks, vc, vs = quant
         qk = qr.reshape(B, n_kv, rep * L, dq)
         dequantized = mx.default_device() == mx.cpu and rep * L >= CPU_SCORE_MIN_QUERIES \
-            and kc.size * 32 // k.bits >= CPU_SCORE_MIN_VALUES
+            and rep * L * (kc.size * 32 // k.bits) >= CPU_SCORE_MIN_WORK
         pair = cache.packed_scales(kc.shape[2]) if k.bits == v.bits else None
         if pair is not None:
             # keys' and values' scales share one buffer: one conversion for both

@@ -130,12 +130,12 @@ def test_stacked_batch_step_dispatches_do_not_grow_with_the_batch(kernels, score
     eight sequences of different lengths as for one; on the Metal path (traced, unverified on
     hardware) that is the centering, the window write, the attention and merge kernels.  The
     reference path scores packed keys by dequantizing them or by MLX's quantized_matmul, by their
-    size (CPU_SCORE_MIN_VALUES, which eight sequences pass and one does not): each way is compared
+    size (CPU_SCORE_MIN_WORK, which eight sequences pass and one does not): each way is compared
     with itself."""
     from oiq_mlx.cache import attention
     from oiq_mlx.cache.attention import oiq_batch_attention
 
-    monkeypatch.setattr(attention, "CPU_SCORE_MIN_VALUES", score_min)
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_WORK", score_min)
     cfg = OIQConfig.preset("4bit")
     H, d = 2, 64
 

@@ -253,8 +253,8 @@ def test_decode_and_prefill_paths_agree(preset, monkeypatch):
 def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
     """On the CPU a decode step scores the packed keys by dequantizing them a chunk of rows at a
     time (at most CPU_SCORE_VALUES values, so the float copy stays bounded at any length) and a
-    matmul when a KV head has several query rows and the packed keys at least CPU_SCORE_MIN_VALUES
-    values: every packed row once, and the output of many chunks is that of one and of
+    matmul when a KV head has several query rows and those rows times the packed key values reach
+    CPU_SCORE_MIN_WORK: every packed row once, and the output of many chunks is that of one and of
     quantized_matmul, which is attention over what the cache stores."""
     cache = OIQKVCache(OIQConfig.preset(preset))
     k, v = mx.random.normal((2, 1, 2, 700, 64), key=mx.random.key(3))
@@ -271,10 +271,10 @@ def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
 
     monkeypatch.setattr(attention, "dequantize_repacked", recording)
     packed = cache.q_end - cache.config.sink_tokens
-    monkeypatch.setattr(attention, "CPU_SCORE_MIN_VALUES", packed * 2 * 64 + 1)  # too few: quantized_matmul
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_WORK", 3 * packed * 2 * 64 + 1)  # too few: quantized_matmul
     below = oiq_attention(q, cache, 0.125)
     assert rows == [] and packed > 600
-    monkeypatch.setattr(attention, "CPU_SCORE_MIN_VALUES", packed * 2 * 64)
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_WORK", 3 * packed * 2 * 64)  # 3 query rows per KV head
     whole = oiq_attention(q, cache, 0.125)
     assert rows == [packed]
     assert float(mx.abs(below - whole).max()) < 1e-5
@@ -288,6 +288,17 @@ def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
     rows.clear()  # one query row per KV head: MLX's quantized_matmul, which is faster there
     one = mx.random.normal((1, 2, 1, 64))
     assert float(mx.abs(oiq_attention(one, cache, 0.125) - reference_attention(one, kd, vd, 0.125)).max()) < 1e-4
+    assert rows == []
+    # the work is query rows times values: 3 rows fall short where 6 (two queries each) reach it
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_WORK", 6 * packed * 2 * 64)
+    oiq_attention(q, cache, 0.125)
+    assert rows == []
+    two = mx.random.normal((1, 6, 2, 64), key=mx.random.key(5))
+    dequantized = oiq_attention(two, cache, 0.125)
+    assert sum(rows) == packed, rows
+    rows.clear()
+    monkeypatch.setattr(attention, "CPU_SCORE_MIN_WORK", 6 * packed * 2 * 64 + 1)
+    assert float(mx.abs(dequantized - oiq_attention(two, cache, 0.125)).max()) < 1e-5
     assert rows == []
 
 
