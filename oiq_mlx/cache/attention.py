@@ -311,10 +311,14 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
             vs, vb = _affine(vs, _HALF[v.bits])  # the keys' dequantization converts their scales itself
         else:
             (ks, kb), (vs, vb) = _affine(ks, _HALF[k.bits]), _affine(vs, _HALF[v.bits])
+        cpu_codes = getattr(cache, "cpu_codes", None) if mx.default_device() == mx.cpu else None
         if dequantized:
             parts.append(_cpu_scores(qk, kc, ks, k.bits, gs))
         else:
-            parts.append(mx.quantized_matmul(qk, kc, ks, kb, transpose=True, group_size=gs, bits=k.bits))
+            # a sequence cache keeps 3-, 5- and 6-bit keys repacked for MLX's CPU kernel, which
+            # reads them faster at 4 or 8 bits (cpu_codes)
+            kc, bits = (kc, k.bits) if cpu_codes is None else cpu_codes("k", kc)
+            parts.append(mx.quantized_matmul(qk, kc, ks, kb, transpose=True, group_size=gs, bits=bits))
     if recent_k is not None:
         parts.append(qg @ recent_k.swapaxes(-1, -2))
     scores = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
@@ -353,10 +357,9 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
             if bits in CPU_REPACK_BITS and mx.default_device() == mx.cpu:
                 # MLX's CPU kernel reads 2/3/5/6-bit rows this way several times more slowly than
                 # 4/8-bit ones: the same codes repacked cost a few fused passes (a sequence cache
-                # keeps them from one write of its packed rows to the next: cpu_values)
-                cpu_values = getattr(cache, "cpu_values", None)
-                if cpu_values is not None:
-                    vc, bits = cpu_values(vc)
+                # keeps them until their rows are written again: cpu_codes)
+                if cpu_codes is not None:
+                    vc, bits = cpu_codes("v", vc)
                 else:
                     vc, bits = repack_codes(vc, bits, CPU_REPACK_BITS[bits]), CPU_REPACK_BITS[bits]
             packed = mx.quantized_matmul(p[..., i : i + n], vc, vs, vb, transpose=False, group_size=gs, bits=bits)

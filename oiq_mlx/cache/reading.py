@@ -15,14 +15,16 @@ from ..core import fp4
 from ..core.codec import CPU_REPACK_BITS, dequantize, repack_codes, split_rows
 from .common import POSITIONAL, halves
 
-# packed value rows up to this many stay repacked for MLX's CPU quantized_matmul from one write of
-# the packed rows to the next (:meth:`CacheReads.cpu_values`): the decode steps between two blocks
-# skip the repack, whose launches cost as much at a few hundred rows as at a thousand.  The copy
-# kept is 4 bits a value (8 for 5- and 6-bit codes): at these lengths MLX multiplies 4-bit rows as
-# fast as 8-bit ones, for half the bytes.  Past the bound every step repacks (to 8 bits,
-# CPU_REPACK_BITS) and no copy is held.
+# packed rows up to this many stay repacked for MLX's CPU quantized_matmul until a row they hold is
+# written again (:meth:`CacheReads.cpu_codes`): the decode steps of a block repack once, where
+# repacking every step costs its launches, as many at a few hundred rows as at a thousand.  Values
+# are kept at 4 bits a code (8 for 5- and 6-bit codes), which MLX multiplies as fast as 8-bit ones
+# at these lengths for half the bytes, and past the bound repacked every step (to 8 bits,
+# CPU_REPACK_BITS) with no copy held.  Keys of 3, 5 or 6 bits are kept at 4 or 8 bits, which MLX's
+# CPU kernel scores faster (2 cores, 3 query rows, 448 rows x 3 heads x 64: 5-bit 0.57 ms, as
+# 8-bit 0.45; 3-bit 0.53, as 4-bit 0.41; 2-bit as fast as 4-bit), and past the bound read as they are
 CPU_VALUES_MEMO_ROWS = 1024
-CPU_VALUES_MEMO_BITS = {2: 4, 3: 4, 5: 8, 6: 8}
+CPU_MEMO_BITS = {"v": {2: 4, 3: 4, 5: 8, 6: 8}, "k": {3: 4, 5: 8, 6: 8}}
 
 
 class CacheReads:
@@ -53,27 +55,47 @@ class CacheReads:
         else:
             views = (*(x for side in (self.k, self.v) for x in split_rows(side.rows[:, :, :n], side.dim, side.bits, g)),
                      None)
-        self._views = (n, views, None)
+        # the repacked values (cpu_values) hold rows that have not been written since: kept
+        self._views = (n, views, None if memo is None else memo[2])
         return views
 
-    def cpu_values(self, vc: mx.array):
-        """``(codes, bits)``: the packed value codes ``vc`` repacked for MLX's CPU
-        ``quantized_matmul`` (the same codes, so the same scales and biases).  A copy of the
-        values of the views :meth:`_packed_views` keeps is kept with them while they hold at most
-        :data:`CPU_VALUES_MEMO_ROWS` rows."""
-        bits = self.v.bits
+    def _values_kept_below(self, row: int):
+        """What ``_views`` becomes when packed rows from ``row`` on are written or the packed
+        buffers are copied to new ones: no views, and the repacked codes (:meth:`cpu_codes`)
+        kept when they hold no row from ``row`` on."""
         memo = self._views
-        if memo is None or memo[1][2] is not vc or vc.shape[2] > CPU_VALUES_MEMO_ROWS:
-            return repack_codes(vc, bits, CPU_REPACK_BITS[bits]), CPU_REPACK_BITS[bits]
-        to = CPU_VALUES_MEMO_BITS[bits]
-        if memo[2] is None:
-            self._views = memo = (memo[0], memo[1], repack_codes(vc, bits, to))
-        return memo[2], to
+        kept = None if memo is None else memo[2]
+        return None if kept is None or kept[0] > row else (None, None, kept)
+
+    def cpu_codes(self, side: str, codes: mx.array):
+        """``(codes, bits)``: ``codes``, the key (``side`` ``"k"``) or value (``"v"``) codes of
+        this cache's first packed rows (as :meth:`attention_segments` gives them), as MLX's CPU
+        ``quantized_matmul`` reads them fastest: repacked (the same codes, so the same scales
+        and biases) or as they are.  Up to :data:`CPU_VALUES_MEMO_ROWS` rows the repacked copy
+        is kept until a row it holds is written again: a block's decode steps repack once, the
+        step after the block is packed (growing the buffers, or reading fewer rows, keeps it)."""
+        bits, n = getattr(self, side).bits, codes.shape[2]
+        to = CPU_MEMO_BITS[side].get(bits)
+        if n > CPU_VALUES_MEMO_ROWS or to is None:
+            to = CPU_REPACK_BITS.get(bits, bits) if side == "v" else bits
+            return repack_codes(codes, bits, to), to
+        memo = self._views
+        kept = None if memo is None else memo[2]
+        if kept is None or kept[0] < n:
+            kept = (n, {})
+            self._views = (None, None, kept) if memo is None else (memo[0], memo[1], kept)
+        if side not in kept[1]:
+            kept[1][side] = repack_codes(codes, bits, to) if kept[0] == n else None
+        held = kept[1][side]
+        if held is None:  # the copy was made from more rows than these, on a side that reads more
+            return repack_codes(codes, bits, to), to
+        return (held if kept[0] == n else held[:, :, :n]), to
 
     def cpu_values_nbytes(self) -> int:
-        """Bytes of the repacked values :meth:`cpu_values` keeps (0 when it keeps none)."""
+        """Bytes of the repacked codes :meth:`cpu_codes` keeps (0 when it keeps none)."""
         memo = self._views
-        return memo[2].nbytes if memo is not None and memo[2] is not None else 0
+        kept = None if memo is None else memo[2]
+        return 0 if kept is None else sum(a.nbytes for a in kept[1].values() if a is not None)
 
     def segments(self):
         """Stored data for attention, each in the rotated (centered) domain.

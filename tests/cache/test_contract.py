@@ -46,7 +46,8 @@ def _oiq_arrays_nbytes(c):
     if c._stacked is not None:
         total += sum(a.nbytes for a in c._stacked if a is not None)
     if c._views is not None and c._views[2] is not None:
-        total += c._views[2].nbytes  # the values kept repacked for MLX's CPU kernel (cpu_values)
+        # the codes kept repacked for MLX's CPU kernel (cpu_codes)
+        total += sum(a.nbytes for a in c._views[2][1].values() if a is not None)
     return total
 
 

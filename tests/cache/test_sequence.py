@@ -303,21 +303,31 @@ def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["4bit", "2bit"])
-def test_repacked_values_are_kept_between_blocks_and_counted(preset, monkeypatch):
-    """On the CPU a decode step reads the packed values repacked for MLX's kernel.  The copy kept
-    from one write of the packed rows to the next gives the outputs of repacking at every step,
-    bit for bit, across block writes; it is counted in nbytes while kept, and none is kept past
+def test_repacked_codes_are_kept_between_blocks_and_counted(preset, monkeypatch):
+    """On the CPU a decode step reads the packed values, and 3-, 5- and 6-bit keys, repacked for
+    MLX's kernel.  The copy kept until a row it holds is written again gives the outputs of
+    repacking at every step, bit for bit, across block writes and buffer growth, with one repack a
+    side per block written; it is counted in nbytes while kept, and none is kept past
     CPU_VALUES_MEMO_ROWS packed rows."""
     kept, fresh = (OIQKVCache(OIQConfig.preset(preset)) for _ in range(2))
     k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(1))
     for c in (kept, fresh):
         c.update_and_fetch(k, k + 0.5)
         c.release_fresh()
-    held, ends = [], []
+    held, ends, repacks, real = [], [], [], reading.repack_codes
+
+    def counting(codes, bits, to_bits):
+        if to_bits != bits:
+            repacks.append(codes.shape[2])
+        return real(codes, bits, to_bits)
+
+    monkeypatch.setattr(reading, "repack_codes", counting)
+    kept_repacks = 0
     for step, key in enumerate(mx.random.split(mx.random.key(2), 40)):
         k1, k2 = mx.random.split(key)
         x, q = mx.random.normal((1, 2, 1, 64), key=k1), mx.random.normal((1, 6, 1, 64), key=k2)
         outs = []
+        repacks.clear()
         for c, rows in ((kept, reading.CPU_VALUES_MEMO_ROWS), (fresh, 0)):
             with monkeypatch.context() as m:
                 m.setattr(reading, "CPU_VALUES_MEMO_ROWS", rows)
@@ -326,14 +336,20 @@ def test_repacked_values_are_kept_between_blocks_and_counted(preset, monkeypatch
         assert np.array_equal(*outs), step
         held.append(kept.cpu_values_nbytes())
         ends.append(kept.q_end)
+        kept_repacks += len(repacks) - 1  # the fresh cache repacks its values every step
         assert fresh.cpu_values_nbytes() == 0
         assert kept.nbytes == fresh.nbytes + held[-1]
     # blocks were written; a step that packs reads its new rows as it found them (in full
-    # precision), so the copy is made by the next step, and kept by every step that packs nothing
+    # precision), with the copy of the rows before them, so the next step makes a copy of all
     packing = [i for i in range(1, len(ends)) if ends[i] != ends[i - 1]]
-    assert len(packing) >= 2 and all((h > 0) == (i not in packing) for i, h in enumerate(held)), (held, ends)
     s = kept.config.sink_tokens
-    assert all(h in (0, 2 * (e - s) * 64 * 4 // 8) for h, e in zip(held, ends))  # 2 heads x 64 values x 4 bits
+    rows = [ends[i - 1 if i in packing else i] - s for i in range(len(ends))]
+    key_bits = reading.CPU_MEMO_BITS["k"].get(kept.k.bits, 0)  # 8 for 4bit's 5-bit keys, none for 2bit's
+    assert len(packing) >= 2 and held == [2 * r * 64 * (4 + key_bits) // 8 for r in rows], (held, ends)  # 2 heads
+    # once, and once after each block written (by the next step), for each side kept
+    sides = 1 + (key_bits > 0)
+    assert kept_repacks == sides * len(set(held)) == sides * (1 + sum(i < len(ends) - 1 for i in packing)), \
+        (kept_repacks, held)
     long = OIQKVCache(OIQConfig.preset(preset))
     long.update_and_fetch(mx.random.normal((1, 2, 1200, 64)), mx.random.normal((1, 2, 1200, 64)))
     long.end_prefill()
