@@ -14,12 +14,13 @@ Two reference paths (plain MLX ops), picked by the number of queries:
   by matmul and of the packed segment by ``mx.quantized_matmul`` on the codes
   (no float copy of the quantized cache is made); one softmax over all
   segments; the elementwise steps are compiled.  On the CPU, values of 2, 3,
-  5 or 6 bits are first repacked to 8 bits (``codec.repack_codes``:
-  the same codes, a few fused passes), the width MLX's CPU kernel reads
-  several times faster, and the packed keys of a KV head with several query
-  rows are dequantized a bounded chunk at a time and multiplied, which costs
-  less than MLX's CPU kernel scoring each query row on its own (DESIGN.md
-  section 5);
+  5 or 6 bits are first repacked to 4 or 8 bits (``codec.repack_codes``:
+  the same codes, a few fused passes), the widths MLX's CPU kernel reads
+  several times faster, as are 3-, 5- and 6-bit keys at short lengths (a
+  sequence cache keeps the copies: ``cpu_codes``), and the packed keys of a
+  KV head with several query rows are dequantized a bounded chunk at a time
+  and multiplied once they are many, which costs less than MLX's CPU kernel
+  scoring each query row on its own (DESIGN.md section 5);
 * prefill: the packed segment is dequantized into the window's domain for
   this layer only and ``mx.fast.scaled_dot_product_attention`` runs on the
   keys/values, so peak memory stays that of the full-precision cache of one

@@ -55,17 +55,20 @@ class CacheReads:
         else:
             views = (*(x for side in (self.k, self.v) for x in split_rows(side.rows[:, :, :n], side.dim, side.bits, g)),
                      None)
-        # the repacked values (cpu_values) hold rows that have not been written since: kept
+        # the repacked codes (cpu_codes) hold rows that have not been written since: kept
         self._views = (n, views, None if memo is None else memo[2])
         return views
 
-    def _values_kept_below(self, row: int):
-        """What ``_views`` becomes when packed rows from ``row`` on are written or the packed
-        buffers are copied to new ones: no views, and the repacked codes (:meth:`cpu_codes`)
-        kept when they hold no row from ``row`` on."""
+    def _codes_kept_below(self, row: int, end: int):
+        """What ``_views`` becomes when packed rows ``[row, end)`` are written or the packed
+        buffers are copied to new ones holding ``end`` rows: no views, and the repacked codes
+        (:meth:`cpu_codes`) kept when they hold no row from ``row`` on and ``end`` is within
+        :data:`CPU_VALUES_MEMO_ROWS` (past it no step reads them: they would only take memory)."""
         memo = self._views
         kept = None if memo is None else memo[2]
-        return None if kept is None or kept[0] > row else (None, None, kept)
+        if kept is None or kept[0] > row or end > CPU_VALUES_MEMO_ROWS:
+            return None
+        return None, None, kept
 
     def cpu_codes(self, side: str, codes: mx.array):
         """``(codes, bits)``: ``codes``, the key (``side`` ``"k"``) or value (``"v"``) codes of

@@ -373,7 +373,7 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
                     eval_now(self._kv_rows if self._pairs_packed else [self.k.rows, self.v.rows])
             if self._pairs_packed:
                 self.k.rows, self.v.rows = halves(self._kv_rows)
-        self._views = self._values_kept_below(qa)
+        self._views = self._codes_kept_below(qa, qb)
         self.q_end = target
         self._drop_dead(bh)
 
@@ -396,13 +396,13 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
             self._kv_rows = grow(old, used, needed, step, (layout[0][1],), mx.uint32, (layout[0][0], *bh))
             if self._kv_rows is not old:
                 self._rows_views()
-                self._views = self._values_kept_below(used)
+                self._views = self._codes_kept_below(used, needed)
             return
         for side, (_, width) in zip((self.k, self.v), layout):
             old = side.rows
             side.rows = grow(old, used, needed, step, (width,), mx.uint32, bh)
             if side.rows is not old:
-                self._views = self._values_kept_below(used)
+                self._views = self._codes_kept_below(used, needed)
 
     def growth_step(self, used: int) -> int:
         """Rows a packed buffer holding ``used`` rows grows by: :attr:`step`, or from

@@ -350,6 +350,11 @@ def test_repacked_codes_are_kept_between_blocks_and_counted(preset, monkeypatch)
     sides = 1 + (key_bits > 0)
     assert kept_repacks == sides * len(set(held)) == sides * (1 + sum(i < len(ends) - 1 for i in packing)), \
         (kept_repacks, held)
+    # packed rows past the bound: the copy is dropped with the write (no step would read it)
+    more = mx.random.normal((1, 2, reading.CPU_VALUES_MEMO_ROWS, 64))
+    kept.update_and_fetch(more, more)
+    kept.release_fresh()
+    assert kept.q_end - s > reading.CPU_VALUES_MEMO_ROWS and kept.cpu_values_nbytes() == 0
     long = OIQKVCache(OIQConfig.preset(preset))
     long.update_and_fetch(mx.random.normal((1, 2, 1200, 64)), mx.random.normal((1, 2, 1200, 64)))
     long.end_prefill()
