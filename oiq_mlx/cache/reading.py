@@ -23,7 +23,7 @@ from .common import POSITIONAL, halves
 # CPU_REPACK_BITS) with no copy held.  Keys of 3, 5 or 6 bits are kept at 4 or 8 bits, which MLX's
 # CPU kernel scores faster (2 cores, 3 query rows, 448 rows x 3 heads x 64: 5-bit 0.57 ms, as
 # 8-bit 0.45; 3-bit 0.53, as 4-bit 0.41; 2-bit as fast as 4-bit), and past the bound read as they are
-CPU_VALUES_MEMO_ROWS = 1024
+CPU_MEMO_ROWS = 1024
 CPU_MEMO_BITS = {"v": {2: 4, 3: 4, 5: 8, 6: 8}, "k": {3: 4, 5: 8, 6: 8}}
 
 
@@ -63,10 +63,10 @@ class CacheReads:
         """What ``_views`` becomes when packed rows ``[row, end)`` are written or the packed
         buffers are copied to new ones holding ``end`` rows: no views, and the repacked codes
         (:meth:`cpu_codes`) kept when they hold no row from ``row`` on and ``end`` is within
-        :data:`CPU_VALUES_MEMO_ROWS` (past it no step reads them: they would only take memory)."""
+        :data:`CPU_MEMO_ROWS` (past it no step reads them: they would only take memory)."""
         memo = self._views
         kept = None if memo is None else memo[2]
-        if kept is None or kept[0] > row or end > CPU_VALUES_MEMO_ROWS:
+        if kept is None or kept[0] > row or end > CPU_MEMO_ROWS:
             return None
         return None, None, kept
 
@@ -74,12 +74,12 @@ class CacheReads:
         """``(codes, bits)``: ``codes``, the key (``side`` ``"k"``) or value (``"v"``) codes of
         this cache's first packed rows (as :meth:`attention_segments` gives them), as MLX's CPU
         ``quantized_matmul`` reads them fastest: repacked (the same codes, so the same scales
-        and biases) or as they are.  Up to :data:`CPU_VALUES_MEMO_ROWS` rows the repacked copy
+        and biases) or as they are.  Up to :data:`CPU_MEMO_ROWS` rows the repacked copy
         is kept until a row it holds is written again: a block's decode steps repack once, the
         step after the block is packed (growing the buffers, or reading fewer rows, keeps it)."""
         bits, n = getattr(self, side).bits, codes.shape[2]
         to = CPU_MEMO_BITS[side].get(bits)
-        if n > CPU_VALUES_MEMO_ROWS or to is None:
+        if n > CPU_MEMO_ROWS or to is None:
             to = CPU_REPACK_BITS.get(bits, bits) if side == "v" else bits
             return repack_codes(codes, bits, to), to
         memo = self._views
@@ -94,7 +94,7 @@ class CacheReads:
             return repack_codes(codes, bits, to), to
         return (held if kept[0] == n else held[:, :, :n]), to
 
-    def cpu_values_nbytes(self) -> int:
+    def cpu_codes_nbytes(self) -> int:
         """Bytes of the repacked codes :meth:`cpu_codes` keeps (0 when it keeps none)."""
         memo = self._views
         kept = None if memo is None else memo[2]

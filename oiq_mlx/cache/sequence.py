@@ -520,10 +520,10 @@ class OIQKVCache(PromptPacking, CacheReads, _BaseCache):
     @property
     def nbytes(self) -> int:
         """Bytes of every array this cache holds (allocated capacity included, the per-layer
-        constants of the stacked quantize pass once built, and on the CPU the repacked values a
+        constants of the stacked quantize pass once built, and on the CPU the repacked codes a
         decode step keeps for the next, :meth:`cpu_codes`)."""
         stacked = sum(a.nbytes for a in self._stacked if a is not None) if self._stacked is not None else 0
-        return self.k.nbytes() + self.v.nbytes() + stacked + self.cpu_values_nbytes()
+        return self.k.nbytes() + self.v.nbytes() + stacked + self.cpu_codes_nbytes()
 
     def quantized_nbytes_formula(self) -> int:
         """What the quantized segment must occupy: capacity x bytes_per_token x B x H."""

@@ -131,13 +131,13 @@ def test_kv_bytes_match_cache_formulas(model_result):
             # the window buffer: whole steps of recent_step rows, at most window + reserve + one block
             step = OIQKVCache.recent_step
             assert cap_r % step == 0 and min(cfg.window, T) <= cap_r <= cfg.window + cfg.trim_reserve + step
-            # on the CPU, up to CPU_VALUES_MEMO_ROWS packed rows, the values (and 3/5/6-bit keys)
+            # on the CPU, up to CPU_MEMO_ROWS packed rows, the values (and 3/5/6-bit keys)
             # kept repacked for MLX's kernel: the rows the last step read, which are those packed
             # before it when it packed a block (the next step repacks)
             kept_bits = sum(reading.CPU_MEMO_BITS[side].get(bits, 0) for side, bits in (("k", cfg.k_bits),
                                                                                           ("v", cfg.v_bits)))
             read = n_q if moved[-1] == 0 else max(0, packed_end(ends[-2]) - cfg.sink_tokens) or n_q
-            held = mx.default_device() == mx.cpu and 0 < read <= reading.CPU_VALUES_MEMO_ROWS
+            held = mx.default_device() == mx.cpu and 0 < read <= reading.CPU_MEMO_ROWS
             kept = N_KV * read * HEAD_DIM * kept_bits // 8 if held else 0
             per_layer = quant + sink + mean + lam + signs + stacked + kept + 2 * N_KV * cap_r * HEAD_DIM * 4
         assert r["kv_bytes"] == N_LAYERS * per_layer, (r["context"], r["cache"])

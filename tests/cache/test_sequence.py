@@ -308,7 +308,7 @@ def test_repacked_codes_are_kept_between_blocks_and_counted(preset, monkeypatch)
     MLX's kernel.  The copy kept until a row it holds is written again gives the outputs of
     repacking at every step, bit for bit, across block writes and buffer growth, with one repack a
     side per block written; it is counted in nbytes while kept, and none is kept past
-    CPU_VALUES_MEMO_ROWS packed rows."""
+    CPU_MEMO_ROWS packed rows."""
     kept, fresh = (OIQKVCache(OIQConfig.preset(preset)) for _ in range(2))
     k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(1))
     for c in (kept, fresh):
@@ -328,16 +328,16 @@ def test_repacked_codes_are_kept_between_blocks_and_counted(preset, monkeypatch)
         x, q = mx.random.normal((1, 2, 1, 64), key=k1), mx.random.normal((1, 6, 1, 64), key=k2)
         outs = []
         repacks.clear()
-        for c, rows in ((kept, reading.CPU_VALUES_MEMO_ROWS), (fresh, 0)):
+        for c, rows in ((kept, reading.CPU_MEMO_ROWS), (fresh, 0)):
             with monkeypatch.context() as m:
-                m.setattr(reading, "CPU_VALUES_MEMO_ROWS", rows)
+                m.setattr(reading, "CPU_MEMO_ROWS", rows)
                 c.update_and_fetch(x, x - 0.5)
                 outs.append(np.array(oiq_attention(q, c, 0.125, None)))
         assert np.array_equal(*outs), step
-        held.append(kept.cpu_values_nbytes())
+        held.append(kept.cpu_codes_nbytes())
         ends.append(kept.q_end)
         kept_repacks += len(repacks) - 1  # the fresh cache repacks its values every step
-        assert fresh.cpu_values_nbytes() == 0
+        assert fresh.cpu_codes_nbytes() == 0
         assert kept.nbytes == fresh.nbytes + held[-1]
     # blocks were written; a step that packs reads its new rows as it found them (in full
     # precision), with the copy of the rows before them, so the next step makes a copy of all
@@ -351,16 +351,16 @@ def test_repacked_codes_are_kept_between_blocks_and_counted(preset, monkeypatch)
     assert kept_repacks == sides * len(set(held)) == sides * (1 + sum(i < len(ends) - 1 for i in packing)), \
         (kept_repacks, held)
     # packed rows past the bound: the copy is dropped with the write (no step would read it)
-    more = mx.random.normal((1, 2, reading.CPU_VALUES_MEMO_ROWS, 64))
+    more = mx.random.normal((1, 2, reading.CPU_MEMO_ROWS, 64))
     kept.update_and_fetch(more, more)
     kept.release_fresh()
-    assert kept.q_end - s > reading.CPU_VALUES_MEMO_ROWS and kept.cpu_values_nbytes() == 0
+    assert kept.q_end - s > reading.CPU_MEMO_ROWS and kept.cpu_codes_nbytes() == 0
     long = OIQKVCache(OIQConfig.preset(preset))
     long.update_and_fetch(mx.random.normal((1, 2, 1200, 64)), mx.random.normal((1, 2, 1200, 64)))
     long.end_prefill()
     long.update_and_fetch(k[:, :, :1], k[:, :, :1])
     mx.eval(oiq_attention(mx.random.normal((1, 6, 1, 64)), long, 0.125, None))
-    assert long.q_end - 4 > reading.CPU_VALUES_MEMO_ROWS and long.cpu_values_nbytes() == 0
+    assert long.q_end - 4 > reading.CPU_MEMO_ROWS and long.cpu_codes_nbytes() == 0
 
 
 def test_nbytes_matches_allocation_and_compression():
