@@ -295,6 +295,10 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
     if sink_k is not None:
         parts.append(qg @ sink_k.swapaxes(-1, -2))
     mode = cache.config.storage  # "int", or the fp4 mode of the packed rows
+    on_cpu = mx.default_device() == mx.cpu
+    # a sequence cache keeps codes repacked for MLX's CPU kernel (values, and 3/5/6-bit keys), which
+    # reads them faster at 4 or 8 bits; a stacked batch repacks its values every step
+    cpu_codes = getattr(cache, "cpu_codes", None) if on_cpu else None
     if quant is not None and mode != "int":
         kc, ks, vc, vs = quant
         parts.append(mx.quantized_matmul(qr.reshape(B, n_kv, rep * L, dq), kc, ks, transpose=True, group_size=gs,
@@ -302,7 +306,7 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
     elif quant is not None:
         kc, ks, vc, vs = quant
         qk = qr.reshape(B, n_kv, rep * L, dq)
-        dequantized = mx.default_device() == mx.cpu and rep * L >= CPU_SCORE_MIN_QUERIES \
+        dequantized = on_cpu and rep * L >= CPU_SCORE_MIN_QUERIES \
             and rep * L * (kc.size * 32 // k.bits) >= CPU_SCORE_MIN_WORK
         pair = cache.packed_scales(kc.shape[2]) if k.bits == v.bits else None
         if pair is not None:
@@ -312,12 +316,9 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
             vs, vb = _affine(vs, _HALF[v.bits])  # the keys' dequantization converts their scales itself
         else:
             (ks, kb), (vs, vb) = _affine(ks, _HALF[k.bits]), _affine(vs, _HALF[v.bits])
-        cpu_codes = getattr(cache, "cpu_codes", None) if mx.default_device() == mx.cpu else None
         if dequantized:
             parts.append(_cpu_scores(qk, kc, ks, k.bits, gs))
         else:
-            # a sequence cache keeps 3-, 5- and 6-bit keys repacked for MLX's CPU kernel, which
-            # reads them faster at 4 or 8 bits (cpu_codes)
             kc, bits = (kc, k.bits) if cpu_codes is None else cpu_codes("k", kc)
             parts.append(mx.quantized_matmul(qk, kc, ks, kb, transpose=True, group_size=gs, bits=bits))
     if recent_k is not None:
@@ -355,10 +356,9 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
                                          mode=mode)
         else:
             bits = v.bits
-            if bits in CPU_REPACK_BITS and mx.default_device() == mx.cpu:
+            if bits in CPU_REPACK_BITS and on_cpu:
                 # MLX's CPU kernel reads 2/3/5/6-bit rows this way several times more slowly than
-                # 4/8-bit ones: the same codes repacked cost a few fused passes (a sequence cache
-                # keeps them until their rows are written again: cpu_codes)
+                # 4/8-bit ones: the same codes repacked cost a few fused passes
                 if cpu_codes is not None:
                     vc, bits = cpu_codes("v", vc)
                 else:

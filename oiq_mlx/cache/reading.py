@@ -87,18 +87,18 @@ class CacheReads:
         if kept is None or kept[0] < n:
             kept = (n, {})
             self._views = (None, None, kept) if memo is None else (memo[0], memo[1], kept)
-        if side not in kept[1]:
-            kept[1][side] = repack_codes(codes, bits, to) if kept[0] == n else None
-        held = kept[1][side]
-        if held is None:  # the copy was made from more rows than these, on a side that reads more
-            return repack_codes(codes, bits, to), to
+        held = kept[1].get(side)
+        if held is None:
+            if kept[0] > n:  # a copy of more rows, made without this side: these rows only, not kept
+                return repack_codes(codes, bits, to), to
+            held = kept[1][side] = repack_codes(codes, bits, to)
         return (held if kept[0] == n else held[:, :, :n]), to
 
     def cpu_codes_nbytes(self) -> int:
         """Bytes of the repacked codes :meth:`cpu_codes` keeps (0 when it keeps none)."""
         memo = self._views
         kept = None if memo is None else memo[2]
-        return 0 if kept is None else sum(a.nbytes for a in kept[1].values() if a is not None)
+        return 0 if kept is None else sum(a.nbytes for a in kept[1].values())
 
     def segments(self):
         """Stored data for attention, each in the rotated (centered) domain.
