@@ -52,7 +52,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_BITS = (1, 2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 FP16_MAX = 65504.0
@@ -240,7 +240,7 @@ def quantize(y: mx.array, bits: int = 4, group_size: int = 32, *, clip: bool = F
     Args:
         y: ``(..., d)`` float16/bfloat16/float32, ``d`` divisible by
             ``group_size`` and ``d * bits`` by 32.
-        bits: one of 2, 3, 4, 5, 6, 8.
+        bits: one of 1, 2, 3, 4, 5, 6, 8.
         group_size: one of 32, 64, 128.
         clip: choose each group's scale by MSE search over ``CLIP_RATIOS``
             instead of plain abs-max.
@@ -340,8 +340,8 @@ def affine_biases(scales: mx.array, bits: int) -> mx.array:
 # (:func:`repack_codes`).  At 32 query / 8 KV heads, d = 128, 2k rows: 3 and 5 bits ~12 ms, 2
 # and 6 bits ~5 ms, 4 bits 2.2 ms, 8 bits 1.5 ms; 2- or 3-bit values repacked to 8 bits and
 # multiplied take 2.0 ms, to 4 bits 2.6 (SmolLM2's 3 KV heads, d = 64, 8k rows: 1.3 against 1.7-1.9,
-# mlx-lm's 4-bit values 1.26)
-CPU_REPACK_BITS = {2: 8, 3: 8, 5: 8, 6: 8}
+# mlx-lm's 4-bit values 1.26); 1-bit codes as 2-bit ones
+CPU_REPACK_BITS = {1: 8, 2: 8, 3: 8, 5: 8, 6: 8}
 
 
 @functools.lru_cache(maxsize=None)

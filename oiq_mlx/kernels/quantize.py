@@ -123,7 +123,7 @@ def quantize(x: mx.array, *, bits: int, group_size: int, signs: mx.array | None 
 
     Args:
         x: ``(..., d)`` float16/bfloat16/float32, d in ``SUPPORTED_DIMS``.
-        bits: 2, 3, 4, 5, 6 or 8.  group_size: 32, 64 or 128 (dividing d).
+        bits: 1, 2, 3, 4, 5, 6 or 8.  group_size: 32, 64 or 128 (dividing d).
         signs: ``(d,)`` +-1 rotation signs, or None for already rotated input.
 
     Returns:

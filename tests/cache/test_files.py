@@ -17,9 +17,9 @@ from oiq_mlx.core.config import OIQConfig
 from oiq_mlx.mlx_lm.caches import make_oiq_cache
 from oiq_mlx.core.rotation import rotate
 
-# every array present (key mean and scales, value mean), clipped scales, layer 1 at other bits
+# every array present (key mean and scales, value mean), clipped scales, layer 1 at other bits (1-bit values)
 CFG = OIQConfig(k_bits=3, v_bits=4, sink_tokens=3, window=6, trim_reserve=4, center_values=True, clip=True,
-                layer_bits="1:4:2")
+                layer_bits="1:4:1")
 ARRAYS = ("codes", "scales", "sink", "recent", "signs", "mean", "lam")
 PROMPT = list(range(1, 31))
 
@@ -165,11 +165,11 @@ CONFIG_EDITS = [
     ("k_bits", 4, "keys codes"), ("v_bits", 3, "values codes"), ("k_bits", 7, "config"), ("group_size", 64, "scales"),
     ("seed", 1, "signs"), ("sink_tokens", 2, "sink"), ("sink_tokens", 4, "sink"), ("sink_tokens", 40, "sink"),
     ("center_keys", False, "keys mean"), ("center_values", False, "values mean"), ("key_scaling", 0.0, "keys lam"),
-    ("rotation", "hadamard_nosigns", "signs"), ("rotation", "none", "signs"), ("layer_bits", "0:4:2;1:4:2", "codes"),
+    ("rotation", "hadamard_nosigns", "signs"), ("rotation", "none", "signs"), ("layer_bits", "0:4:1;1:4:1", "codes"),
     ("layer_bits", [], "codes"), ("sink_tokens", 10**9, "config"), ("unknown_field", 1, "config"),
 ]
 # config edits that do not concern the layer whose metadata is edited: they load, and change nothing
-HARMLESS = {0: {"config.layer_bits=[]"}, 1: {"config.layer_bits=0:4:2;1:4:2", "config.k_bits=4", "config.v_bits=3"}}
+HARMLESS = {0: {"config.layer_bits=[]"}, 1: {"config.layer_bits=0:4:1;1:4:1", "config.k_bits=4", "config.v_bits=3"}}
 # edits no array reveals (they only change how later tokens are stored): the digest refuses them
 DIGEST_ONLY_EDITS = [
     ("clip", False), ("window", 7), ("window", 0), ("quantize_after", 50), ("trim_reserve", 0), ("key_scaling", 0.25),

@@ -197,7 +197,7 @@ def test_bytes_per_token():
     "kwargs,match",
     [
         (dict(bits=7), "bits=7 is not supported"),
-        (dict(bits=1), "bits=1 is not supported"),
+        (dict(bits=0), "bits=0 is not supported"),
         (dict(bits=4.0), "bits=4.0 is not supported"),
         (dict(group_size=48), "group_size=48 is not supported"),
         (dict(group_size=16), "group_size=16 is not supported"),

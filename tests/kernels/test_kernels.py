@@ -966,9 +966,10 @@ _ROWS = {1: (2, 1, 1, 1), 2: (1, 2, 2, 1), 4: (1, 1, 2, 2), 8: (2, 1, 3, 2)}
 
 def _sweep_attention(d, dtype, qb):
     i = SUPPORTED_DIMS.index(d) * 3 + KERNEL_DTYPES.index(dtype) + QUERY_ROWS.index(qb)
-    pairs = codec_params(d)
-    k_bits, g = pairs[i % len(pairs)]
-    v_bits = codec.SUPPORTED_BITS[(i * 5 + 1) % len(codec.SUPPORTED_BITS)]
+    bits = codec.SUPPORTED_BITS
+    groups = [g for b, g in codec_params(d) if b == bits[0]]
+    k_bits, g = bits[i % len(bits)], groups[(i // len(bits) + i) % len(groups)]  # every bits, every group
+    v_bits = bits[(i * 5 + 1) % len(bits)]
     B, n_kv, rep, L = _ROWS[qb]
     assert query_rows_per_chunk(rep * L, d) == qb
     cfg = OIQConfig(k_bits=k_bits, v_bits=v_bits, group_size=g, sink_tokens=4, window=16,
