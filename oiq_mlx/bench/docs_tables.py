@@ -34,6 +34,7 @@ from pathlib import Path
 from ..eval import codebook, rotation
 from ..eval.needle_stats import resummarize_needle
 from ..eval.report import markdown_table, needle_stats_markdown
+from ..eval.specs import split_spec_list
 from ..eval.sweep import frontier_table
 from . import attention, latency, server, sharded
 from . import bytes as moved
@@ -87,6 +88,9 @@ def needle_table(result: dict, caches: list[str] | None = None) -> str:
     first is the paired reference), where the file holds answers of more caches than its
     last run named."""
     if caches:
+        missing = [n for n in caches if not any(n in r["results"] for r in result["records"])]
+        if missing:
+            raise ValueError(f"no trial of the needle file answered through {', '.join(missing)}")
         records = [{**r, "results": {n: r["results"][n] for n in caches if n in r["results"]}}
                    for r in result["records"]]
         result = {**result, "caches": caches, "records": records}
@@ -188,7 +192,7 @@ def render(args: list[str], base: Path) -> str:
     if kind == "latency":
         return latency_table(result, view or "model")
     if kind == "needle" and view is not None and view.startswith("caches="):
-        return needle_table(result, view[len("caches="):].split(","))
+        return needle_table(result, split_spec_list(view[len("caches="):]))
     if view is not None:
         raise ValueError(f"a {kind} file has no view {view!r}")
     return {"fidelity": fidelity_table, "quality": quality_table, "needle": needle_table, "server": server_table,

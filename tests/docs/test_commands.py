@@ -176,6 +176,18 @@ def test_tables_match_their_json():
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
 
 
+def test_needle_view_names_caches_with_commas_and_refuses_unknown_ones():
+    """A needle table's ``caches=`` view splits on commas outside ``[...]``; a name no trial answered
+    through is an error, not a table of empty rows."""
+    from oiq_mlx.bench.docs_tables import render
+
+    view = "caches=fp,preset:2bit,preset:2bit[v_bits=1,key_alignment=0.5]"
+    table = render([view, "results/needle2k_1.5bit_tuning.json"], ROOT / "docs")
+    assert "40/40 trials" in table and "| preset:2bit[v_bits=1,key_alignment=0.5] | 26/40" in table
+    with pytest.raises(ValueError, match=r"through preset:2bit\[v_bits=1\]"):
+        render(["caches=fp,preset:2bit[v_bits=1]", "results/needle2k_1.5bit_tuning.json"], ROOT / "docs")
+
+
 def test_quick_generate():
     """The README's first command (after pip install), five tokens."""
     r = _run([*_console_argv("oiq-generate"), "--prompt", "What is the capital of France?", "--max-tokens", "5"])
