@@ -128,7 +128,7 @@ def test_statistics_ignore_bad_rows_and_cannot_overflow():
         c.update_and_fetch(rows, rows)
         c.end_prefill()  # exact_prefill: estimated here, on the rows the prompt left waiting
         if rows is x:
-            mean, lam = c.k.mean, c.k.lam
+            mean = c.k.mean
         else:
             c2 = OIQKVCache(OIQConfig(sink_tokens=0, window=0))
             kept = mx.concatenate([x[:, :, :5], x[:, :, 6:]], axis=2)
