@@ -53,7 +53,7 @@ from ..kernels.instantiations import production_instantiations
 from ..kernels.quantize import quantize
 from ..mlx_lm.prompt_files import load_cache_file, save_cache_file
 
-PRESETS = ("4bit", "3bit", "2bit")
+PRESETS = ("4bit", "3bit", "2bit", "1.5bit")
 PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size
 # what changes the rows a cache writes, beside the preset (OIQConfig fields)
 WRITE_OPTIONS = ({}, {"clip": False}, {"align_scales": False}, {"key_alignment": 0.5}, {"center_keys": False},
@@ -389,7 +389,7 @@ def checks(grid: Grid = FULL, iters: int = 0) -> list:
     """``(name, fn)`` of every check of ``grid``."""
     out = []
     for i, d in enumerate(grid.dims):
-        for bits in (5, 4, 3, 2):
+        for bits in (5, 4, 3, 2, 1):
             dt = (mx.float16, mx.bfloat16)[i % 2]
             out.append((f"codec d={d} {bits}b g32 {_dtype_name(dt)}",
                         lambda d=d, bits=bits, dt=dt: check_codec(d, bits, 32, dt, 512, iters)))

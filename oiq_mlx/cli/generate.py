@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="oiq-generate",
         description=(
-            "Generate text with an mlx-lm model whose KV cache is stored at 2-8 bits by OIQ "
+            "Generate text with an mlx-lm model whose KV cache is stored at 1-8 bits by OIQ "
             "(randomized Hadamard rotation + per-group scales). Mirrors `mlx_lm.generate`; "
             "after generating it prints prompt and generation speed and the KV cache size held "
             "against what float16 keys and values of the same tokens would take."

@@ -29,7 +29,11 @@ MAX_TOKENS = 1 << 24
 # K5V3 lost is found again.  3bit's key scaling became 0.5 capped at 2x (key_scaling_cap)
 # on the 2k and 4k needle plans, where 0.75 lost two needles to its keys, and on KL:
 # lower than 0.75's on SmolLM2 and no higher on Gemma 3, whose loud key channels (15-20x
-# the median) the cap brings down as far as 0.75 did (docs/results.md).
+# the median) the cap brings down as far as 0.75 did (docs/results.md).  1.5bit is 2bit with
+# 1-bit values (32 bytes per token and KV head at d = 64).  Of K2V1 with aligned scales (+7%
+# perplexity on Northanger Abbey), keys half way (key_alignment 0.5, +4.3-4.9%) and least-squares
+# scales (+3.4-3.8%), whose passkeys at 2k go the other way (13, 11, 10 of 18), keys half way are
+# the most aligned within +5% in both protocols on both models; K1V2 cost +77% (docs/results.md).
 PRESETS = {
     "4bit": dict(k_bits=5, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5,
                  clip=True, align_scales=True, exact_prefill=16384),
@@ -38,6 +42,8 @@ PRESETS = {
                  clip=True, align_scales=True, exact_prefill=16384),
     "2bit": dict(k_bits=2, v_bits=2, group_size=32, sink_tokens=4, window=128, center_keys=True, key_scaling=0.75,
                  clip=True, center_values=True, exact_prefill=16384),
+    "1.5bit": dict(k_bits=2, v_bits=1, group_size=32, sink_tokens=4, window=128, center_keys=True, key_scaling=0.75,
+                   clip=True, center_values=True, key_alignment=0.5, exact_prefill=16384),
 }
 
 
@@ -96,7 +102,7 @@ class OIQConfig:
     precision, key mean removed, key scaling 0.5.
 
     Attributes:
-        k_bits, v_bits: bits per key / value coordinate: 2, 3, 4, 5, 6 or 8.
+        k_bits, v_bits: bits per key / value coordinate: 1, 2, 3, 4, 5, 6 or 8.
         group_size: coordinates sharing one float16 scale: 32, 64 or 128.
         seed: seed of the random sign vectors (one per layer, stored with the cache).
         sink_tokens: the first S tokens of the sequence are kept in full precision.
@@ -280,17 +286,18 @@ class OIQConfig:
         Quantized storage per token per KV head, keys and values together
         (packed codes + float16 group scales).  A fixed cost per KV head and
         layer comes on top: the full-precision rows, at most 4 sinks + the
-        window (64; 128 for ``2bit``) + the 16-token trim reserve + one pending
-        block of 16 (25.6 KB at d = 64 in float16; 42.0 KB for ``2bit``), and
+        window (64; 128 for ``2bit`` and ``1.5bit``) + the 16-token trim reserve + one pending
+        block of 16 (25.6 KB at d = 64 in float16; 42.0 KB for ``2bit`` and ``1.5bit``), and
         the float32 mean / key-scale vectors:
 
-        ========  =======  ========  ======================================================================
-        name      d = 64   d = 128   what
-        ========  =======  ========  ======================================================================
-        ``4bit``  72       144       K5 V3 g32, clipped codes with aligned scales, key mean, key scaling 0.5
-        ``3bit``  56       112       K3 V3 g32, as 4bit but key scaling 0.5 capped at 2x
-        ``2bit``  40       80        K2 V2 g32, clipped codes with aligned scales, value mean, window 128
-        ========  =======  ========  ======================================================================
+        ==========  =======  ========  ======================================================================
+        name        d = 64   d = 128   what
+        ==========  =======  ========  ======================================================================
+        ``4bit``    72       144       K5 V3 g32, clipped codes with aligned scales, key mean, key scaling 0.5
+        ``3bit``    56       112       K3 V3 g32, as 4bit but key scaling 0.5 capped at 2x
+        ``2bit``    40       80        K2 V2 g32, clipped codes with aligned scales, value mean, window 128
+        ``1.5bit``  32       64        K2 V1 g32, as 2bit with keys' scales aligned half way
+        ==========  =======  ========  ======================================================================
 
         (fp16 is 256 / 512.)  Raises ``ValueError`` for an unknown name.
         """

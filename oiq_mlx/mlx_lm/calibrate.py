@@ -19,7 +19,7 @@ the budget (by default the uniform config's own ``bytes_per_token``).
 Default candidates (:func:`default_choices`): the config's bits one step
 down, unchanged and one step up, keys and values together, within 2..6 bits:
 ``2bit`` -> K2V2, K3V3; ``3bit`` -> K2V2, K3V3, K4V4; ``4bit`` (K5V3) ->
-K4V2, K5V3, K6V4.
+K4V2, K5V3, K6V4; ``1.5bit`` (K2V1) -> K2V1, K3V2.
 """
 
 from __future__ import annotations
@@ -56,12 +56,13 @@ def parse_auto(text) -> tuple[bool, float | None]:
 
 
 def default_choices(config: OIQConfig) -> list[tuple[int, int]]:
-    """``(k_bits + s, v_bits + s)`` for ``s`` in -1, 0, 1, both within 2..6 bits."""
+    """``(k_bits + s, v_bits + s)`` for ``s`` in -1, 0, 1, both within 2..6 bits; a config with a
+    1-bit side (``1.5bit``, K2V1) keeps its own bits and steps up (K2V1, K3V2)."""
     kb, vb = config.k_bits, config.v_bits
-    if kb not in LADDER or vb not in LADDER:
-        raise ValueError(f"automatic layer_bits has default candidates for 2-6 bits only, the config has "
+    if not (1 <= kb <= LADDER[-1] and 1 <= vb <= LADDER[-1]):
+        raise ValueError(f"automatic layer_bits has default candidates for 1-6 bits only, the config has "
                          f"K{kb}V{vb}; pass choices=[(k_bits, v_bits), ...]")
-    return [(kb + s, vb + s) for s in (-1, 0, 1) if kb + s in LADDER and vb + s in LADDER]
+    return [(kb + s, vb + s) for s in (-1, 0, 1) if s == 0 or (kb + s in LADDER and vb + s in LADDER)]
 
 
 def min_tokens(config: OIQConfig) -> int:

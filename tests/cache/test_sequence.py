@@ -47,6 +47,7 @@ CONFIGS = [
     OIQConfig(k_bits=6, v_bits=4, group_size=64, quantize_after=40, window=3),
     OIQConfig.preset("3bit"),  # key scaling 0.5 capped at 2x, clipped and aligned scales
     OIQConfig.preset("2bit"),  # + value mean, window 128 (past the first chunks here)
+    OIQConfig.preset("1.5bit", window=16),  # 1-bit values, keys' scales aligned half way
 ]
 
 
@@ -302,7 +303,7 @@ def test_packed_keys_are_scored_a_chunk_at_a_time(preset, monkeypatch):
     assert rows == []
 
 
-@pytest.mark.parametrize("preset", ["4bit", "2bit"])
+@pytest.mark.parametrize("preset", ["4bit", "2bit", "1.5bit"])
 def test_repacked_codes_are_kept_between_blocks_and_counted(preset, monkeypatch):
     """On the CPU a decode step reads the packed values, and 3-, 5- and 6-bit keys, repacked for
     MLX's kernel.  The copy kept until a row it holds is written again gives the outputs of

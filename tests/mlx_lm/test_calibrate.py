@@ -51,6 +51,8 @@ def test_default_choices():
     assert default_choices(OIQConfig(k_bits=4, v_bits=4)) == [(3, 3), (4, 4), (5, 5)]
     assert default_choices(OIQConfig(k_bits=2, v_bits=3)) == [(2, 3), (3, 4)]
     assert default_choices(OIQConfig(k_bits=6, v_bits=6)) == [(5, 5), (6, 6)]
+    assert default_choices(OIQConfig.preset("1.5bit")) == [(2, 1), (3, 2)]  # a 1-bit side never steps down
+    assert default_choices(OIQConfig(k_bits=1, v_bits=1)) == [(1, 1), (2, 2)]
     with pytest.raises(ValueError, match="K8V8; pass choices"):
         default_choices(OIQConfig(k_bits=8, v_bits=8))
 
