@@ -33,7 +33,8 @@ MAX_TOKENS = 1 << 24
 # 1-bit values (32 bytes per token and KV head at d = 64).  Of K2V1 with aligned scales (+7%
 # perplexity on Northanger Abbey), keys half way (key_alignment 0.5, +4.3-4.9%) and least-squares
 # scales (+3.4-3.8%), whose passkeys at 2k go the other way (13, 11, 10 of 18), keys half way are
-# the most aligned within +5% in both protocols on both models; K1V2 cost +77% (docs/results.md).
+# the most aligned within +5% in both protocols on both models; K1V2 cost +77%.  Held out at
+# seed 0 +2.0-2.1%; seeds 1-4 +4.9-6.5% (docs/results.md).
 PRESETS = {
     "4bit": dict(k_bits=5, v_bits=3, group_size=32, sink_tokens=4, window=64, center_keys=True, key_scaling=0.5,
                  clip=True, align_scales=True, exact_prefill=16384),
