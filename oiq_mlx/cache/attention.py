@@ -357,7 +357,7 @@ def _decode_reference(qs: mx.array, qr: mx.array, cache, mask, sinks, segments=N
         else:
             bits = v.bits
             if bits in CPU_REPACK_BITS and on_cpu:
-                # MLX's CPU kernel reads 2/3/5/6-bit rows this way several times more slowly than
+                # MLX's CPU kernel reads 1/2/3/5/6-bit rows this way several times more slowly than
                 # 4/8-bit ones: the same codes repacked cost a few fused passes
                 if cpu_codes is not None:
                     vc, bits = cpu_codes("v", vc)

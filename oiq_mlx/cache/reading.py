@@ -18,13 +18,13 @@ from .common import POSITIONAL, halves
 # packed rows up to this many stay repacked for MLX's CPU quantized_matmul until a row they hold is
 # written again (:meth:`CacheReads.cpu_codes`): the decode steps of a block repack once, where
 # repacking every step costs its launches, as many at a few hundred rows as at a thousand.  Values
-# are kept at 4 bits a code (1- to 3-bit codes; 8 for 5- and 6-bit ones), which MLX multiplies as fast as 8-bit ones
-# at these lengths for half the bytes, and past the bound repacked every step (to 8 bits,
-# CPU_REPACK_BITS) with no copy held.  Keys of 3, 5 or 6 bits are kept at 4 or 8 bits, which MLX's
+# of the widths CPU_REPACK_BITS names are kept at 4 bits a code (1- to 3-bit codes; 8 for 5- and 6-bit
+# ones), which MLX multiplies as fast as 8-bit ones at these lengths for half the bytes, and past the
+# bound repacked every step (to 8 bits) with no copy held.  Keys of 3, 5 or 6 bits are kept at 4 or 8 bits, which MLX's
 # CPU kernel scores faster (2 cores, 3 query rows, 448 rows x 3 heads x 64: 5-bit 0.57 ms, as
 # 8-bit 0.45; 3-bit 0.53, as 4-bit 0.41; 2-bit as fast as 4-bit), and past the bound read as they are
 CPU_MEMO_ROWS = 1024
-CPU_MEMO_BITS = {"v": {1: 4, 2: 4, 3: 4, 5: 8, 6: 8}, "k": {3: 4, 5: 8, 6: 8}}
+CPU_MEMO_BITS = {"v": {b: 4 if b < 4 else 8 for b in CPU_REPACK_BITS}, "k": {3: 4, 5: 8, 6: 8}}
 
 
 class CacheReads:

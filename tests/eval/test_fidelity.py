@@ -18,7 +18,8 @@ from oiq_mlx.eval.specs import parse_spec
 # -- presets --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, d64, d128", [("4bit", 72, 144), ("3bit", 56, 112), ("2bit", 40, 80), ("1.5bit", 32, 64)])
+@pytest.mark.parametrize("name, d64, d128", [("4bit", 72, 144), ("3bit", 56, 112), ("2bit", 40, 80),
+                                             ("1.5bit", 32, 64)])
 def test_preset_bytes_per_token(name, d64, d128):
     cfg = OIQConfig.preset(name)
     assert cfg.bytes_per_token(64) == d64
