@@ -176,6 +176,22 @@ def test_tables_match_their_json():
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
 
 
+def test_result_files_record_a_command_that_writes_them():
+    """Every measured JSON under docs/results records the command that made it, and that command
+    writes the file where it lies (its --json / --out argument), so the docs' commands rebuild it."""
+    import json
+
+    files = sorted((ROOT / "docs" / "results").glob("*.json"))
+    assert files
+    for f in files:
+        rel = f.relative_to(ROOT).as_posix()
+        cmd = json.loads(f.read_text(encoding="utf-8")).get("command")
+        assert cmd, f"{rel}: no command recorded"
+        words = cmd if isinstance(cmd, list) else shlex.split(cmd)
+        outs = [words[i + 1] for i, w in enumerate(words[:-1]) if w in ("--json", "--out")]
+        assert outs == [rel], f"{rel}: the recorded command writes {outs}"
+
+
 def test_needle_view_names_caches_with_commas_and_refuses_unknown_ones():
     """A needle table's ``caches=`` view splits on commas outside ``[...]``; a name no trial answered
     through is an error, not a table of empty rows."""
