@@ -24,6 +24,7 @@ from ..core.metrics import kl_divergence, log_softmax
 from ..mlx_lm.caches import end_prefill
 from .progress import Progress, eta
 from .specs import CacheSpec
+from .stats import paired_change_ci
 
 
 def _cache_arrays(cache) -> list:
@@ -100,8 +101,10 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
     compared with every cache at the same positions.
 
     Returns ``{name: {"ppl", "nll", "kl", "top1", "tokens", "tokens_per_s",
-    "ppl_per_window", "measured_bytes_per_token_head", "fp16_bytes_per_token_head"}}``:
-    the last two are ``nbytes`` per token per KV head at the end of a window, as the
+    "ppl_per_window", "ppl_delta_ci95", "measured_bytes_per_token_head",
+    "fp16_bytes_per_token_head"}}``: ``ppl_delta_ci95`` is the 95% interval of the
+    perplexity change against the fp reference on the same tokens
+    (:func:`~oiq_mlx.eval.stats.paired_change_ci`); the last two are ``nbytes`` per token per KV head at the end of a window, as the
     evaluation ran (the model's dtype on this machine) and as a float16 model's cache
     allocates them after the same calls (:func:`allocated_bytes_per_token`; the mean
     over windows for a calibrated spec).
@@ -119,7 +122,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
     if specs[0].kind != "fp":
         raise ValueError("the first spec must be the fp reference")
     acc = {s.name: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0, "seconds": 0.0, "win_nll": [], "bytes": [],
-                    "fp16_bytes": [], "layer_bits": [], "calibration_s": 0.0} for s in specs}
+                    "fp16_bytes": [], "layer_bits": [], "calibration_s": 0.0, "diff": []} for s in specs}
     n_chunks = -(-score_len // chunk)
     # the update calls of a window (the prompt, then the chunks), replayed for the float16 bytes
     calls = [prompt_len] + [min(chunk, prompt_len + score_len - a) for a in range(prompt_len, span - 1, chunk)]
@@ -159,22 +162,24 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
             b = min(a + chunk, prompt_len + score_len)
             x = mx.array(seq[a:b])[None]
             targets = mx.array(seq[a + 1 : b + 1])
-            logp_ref = None
+            logp_ref = nll_ref = None
             rates = []
             for s, c in zip(specs, caches):
                 t = time.perf_counter()
                 logp = log_softmax(model(x, cache=c)[0])
-                nll = -mx.take_along_axis(logp, targets[:, None], axis=-1).sum()
+                token_nll = -mx.take_along_axis(logp, targets[:, None], axis=-1)[:, 0].astype(mx.float32)
+                nll = token_nll.sum()
                 if logp_ref is None:
-                    logp_ref = logp
+                    logp_ref, nll_ref = logp, token_nll
                     kl, top1 = mx.array(0.0), mx.array(b - a)
                 else:
                     kl = kl_divergence(logp_ref, logp).sum()
                     top1 = (mx.argmax(logp, -1) == mx.argmax(logp_ref, -1)).sum()
-                mx.eval(nll, kl, top1, logp_ref, _cache_arrays(c))
+                mx.eval(nll, kl, top1, logp_ref, nll_ref, token_nll, _cache_arrays(c))
                 dt = time.perf_counter() - t
                 r = acc[s.name]
                 r["seconds"] += dt
+                r["diff"].append(np.array(token_nll - nll_ref))
                 r["nll"] += nll.item()
                 r["kl"] += kl.item()
                 r["top1"] += int(top1.item())
@@ -205,6 +210,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
             "tokens": r["n"],
             "tokens_per_s": windows * (span - 1) / r["seconds"] if r["seconds"] else None,
             "ppl_per_window": r["win_nll"],
+            "ppl_delta_ci95": paired_change_ci(np.concatenate(r["diff"])),
             "measured_bytes_per_token_head": float(np.mean(r["bytes"])),
             "fp16_bytes_per_token_head": float(np.mean(r["fp16_bytes"])),
         }

@@ -1,7 +1,7 @@
-"""Paired statistics of needle trials: Wilson intervals, McNemar's exact test, paired counts,
-and what the answer margins say (:func:`margin_drop`, :func:`first_margin_change`,
-:func:`margin_noise`, :func:`margin_attribution`), summed up per cache by
-:func:`summarize_needle_trials`."""
+"""Paired statistics: of a perplexity change on the same tokens (:func:`paired_change_ci`), and
+of needle trials: Wilson intervals, McNemar's exact test, paired counts, and what the answer
+margins say (:func:`margin_drop`, :func:`first_margin_change`, :func:`margin_noise`,
+:func:`margin_attribution`), summed up per cache by :func:`summarize_needle_trials`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,28 @@ def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     mid = (p + z * z / (2 * n)) / den
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
     return max(0.0, mid - half), min(1.0, mid + half)
+
+
+def paired_change_ci(diff, block: int = 32, z: float = 1.96) -> tuple[float, float]:
+    """Interval (95% for z = 1.96) of a perplexity change ``exp(mean(diff)) - 1`` measured on
+    the same tokens: ``diff`` holds each scored token's negative log-likelihood through a cache
+    minus the reference's, in scoring order.  Neighbouring tokens' differences are not
+    independent (one quantized key shifts a run of predictions), so the standard error is
+    taken over the means of consecutive blocks of ``block`` tokens (batch means); a tail
+    shorter than a block is left out of the error, not of the mean.  ``(0, 0)`` where every
+    difference is zero (the reference against itself); NaN bounds with fewer than two blocks."""
+    d = np.asarray(diff, dtype=np.float64).ravel()
+    if d.size == 0:
+        raise ValueError("no scored tokens")
+    mean = float(d.mean())
+    if not np.any(d):
+        return 0.0, 0.0
+    n_blocks = d.size // block
+    if n_blocks < 2:
+        return math.nan, math.nan
+    means = d[: n_blocks * block].reshape(n_blocks, block).mean(axis=1)
+    se = float(means.std(ddof=1)) / math.sqrt(n_blocks)
+    return math.expm1(mean - z * se), math.expm1(mean + z * se)
 
 
 def mcnemar_p(b: int, c: int) -> float:

@@ -25,6 +25,7 @@ cosine).  This module adds:
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,7 +50,8 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     :func:`oiq_mlx.eval.perplexity.allocated_bytes_per_token`), ``layer_bits`` (OIQ:
     the ``[layer, k_bits, v_bits]`` triples, one list per window, calibrated on
     each window's prompt for a ``layer_bits=auto`` spec; None otherwise), ``ppl``, ``ppl_delta``
-    (relative to fp), ``kl``, ``top1``, ``tokens_per_s``."""
+    (relative to fp), ``ppl_delta_ci95`` (its 95% interval from the per-token differences,
+    :func:`oiq_mlx.eval.stats.paired_change_ci`; None under 64 scored tokens), ``kl``, ``top1``, ``tokens_per_s``."""
     install()
     specs = list(specs)
     if not specs or specs[0].kind != "fp":
@@ -77,6 +79,7 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
             "bytes_allocated": r["fp16_bytes_per_token_head"],
             "ppl": r["ppl"],
             "ppl_delta": r["ppl"] / fp_ppl - 1,
+            "ppl_delta_ci95": None if math.isnan(r["ppl_delta_ci95"][0]) else list(r["ppl_delta_ci95"]),
             "kl": r["kl"],
             "top1": r["top1"],
             "tokens_per_s": r["tokens_per_s"],
@@ -85,17 +88,26 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
 
 
 def frontier_table(rows: list[dict]) -> str:
-    """Markdown table of :func:`sweep` rows."""
+    """Markdown table of :func:`sweep` rows; with a "95% interval" column when every row has
+    ``ppl_delta_ci95`` (sweeps written before it was measured have none)."""
+    ci = all(r.get("ppl_delta_ci95") is not None for r in rows)
     lines = [
-        "| cache | bytes/token/KV head (K+V) | nbytes/token/KV head (fp16) | ppl | vs fp | KL | top-1 |",
-        "|---|---|---|---|---|---|---|",
+        "| cache | bytes/token/KV head (K+V) | nbytes/token/KV head (fp16) | ppl | vs fp |"
+        + (" 95% interval |" if ci else "") + " KL | top-1 |",
+        "|---|---|---|---|---|" + ("---|" if ci else "") + "---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['name']} | {r['bytes_per_token']:g} | {_allocated(r['bytes_allocated'])} | {r['ppl']:.3f} "
-            f"| {100 * r['ppl_delta']:+.2f}% | {r['kl']:.4f} | {100 * r['top1']:.1f}% |"
+            f"| {100 * r['ppl_delta']:+.2f}% |" + (f" {_interval(r['ppl_delta_ci95'])} |" if ci else "")
+            + f" {r['kl']:.4f} | {100 * r['top1']:.1f}% |"
         )
     return "\n".join(lines)
+
+
+def _interval(ci) -> str:
+    lo, hi = ci
+    return "-" if lo == hi == 0 else f"{100 * lo:+.2f}% to {100 * hi:+.2f}%"
 
 
 def _allocated(b) -> str:

@@ -175,3 +175,14 @@ def test_sweep_rows_on_tiny_model():
     fixed = (4 + window + 16 + 16) * 256 + (2 + 1 + 2 + 4 // 2) * 64 * 4
     assert 40 < rows[2]["bytes_allocated"] <= (packed + fixed) / 192
     assert "| preset:2bit | 40 |" in fidelity.frontier_table(rows)
+    # the perplexity change's 95% interval (3 blocks of 32 scored tokens) holds the change
+    assert rows[0]["ppl_delta_ci95"] == [0.0, 0.0]
+    for r in rows[1:]:
+        lo, hi = r["ppl_delta_ci95"]
+        assert lo < r["ppl_delta"] < hi
+    table = fidelity.frontier_table(rows)
+    assert "| vs fp | 95% interval | KL |" in table and "| +0.00% | - |" in table
+    lo, hi = rows[2]["ppl_delta_ci95"]
+    assert f"| {100 * lo:+.2f}% to {100 * hi:+.2f}% |" in table
+    # rows written before the interval was measured keep the table they had
+    assert "95% interval" not in fidelity.frontier_table([{**r, "ppl_delta_ci95": None} for r in rows])

@@ -118,6 +118,32 @@ def test_plan_rejects_bad_input():
         nd.plan_needle_trials(tok, [], (300,), (0.5,), 1)
 
 
+def test_paired_change_ci_takes_its_error_from_block_means():
+    import math
+
+    rng = np.random.default_rng(0)
+    # a constant difference: no spread, the interval is the point
+    lo, hi = stats.paired_change_ci(np.full(96, 0.01))
+    assert lo == pytest.approx(math.expm1(0.01)) and hi == pytest.approx(math.expm1(0.01))
+    assert stats.paired_change_ci(np.zeros(64)) == (0.0, 0.0)  # the reference against itself
+    # by hand: the standard error of the 4 block means, the mean over every token
+    d = rng.normal(0.02, 0.3, 4 * 32 + 5)
+    means = d[:128].reshape(4, 32).mean(axis=1)
+    se = means.std(ddof=1) / 2
+    lo, hi = stats.paired_change_ci(d)
+    assert (lo, hi) == pytest.approx((math.expm1(d.mean() - 1.96 * se), math.expm1(d.mean() + 1.96 * se)))
+    assert lo < math.expm1(d.mean()) < hi
+    # runs of equal differences (one bad key shifts a run of predictions): the blocks see the
+    # spread that the token-by-token error would understate
+    runs = np.repeat(rng.normal(0.0, 0.3, 32), 32)
+    lo, hi = stats.paired_change_ci(runs)
+    naive = runs.std(ddof=1) / math.sqrt(runs.size)
+    assert hi - lo > 3 * (math.expm1(runs.mean() + 1.96 * naive) - math.expm1(runs.mean() - 1.96 * naive))
+    assert all(math.isnan(x) for x in stats.paired_change_ci(rng.normal(size=40)))  # one block
+    with pytest.raises(ValueError, match="no scored tokens"):
+        stats.paired_change_ci([])
+
+
 def test_wilson_interval_known_values():
     lo, hi = stats.wilson_interval(5, 10)
     assert (lo, hi) == (pytest.approx(0.2366, abs=1e-4), pytest.approx(0.7634, abs=1e-4))
