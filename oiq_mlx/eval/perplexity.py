@@ -89,6 +89,11 @@ def allocated_bytes_per_token(spec: CacheSpec, model, evaluated: list, calls, dt
     return measured_bytes_per_token(fresh, sum(calls))
 
 
+def _interval(diff) -> list | None:
+    low, high = paired_change_ci(diff)
+    return None if math.isnan(low) else [low, high]
+
+
 def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, chunk: int = 1,
                     windows: int = 1, progress=None) -> dict:
     """Perplexity, KL and top-1 agreement through each cache.
@@ -102,9 +107,10 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
 
     Returns ``{name: {"ppl", "nll", "kl", "top1", "tokens", "tokens_per_s",
     "ppl_per_window", "ppl_delta_ci95", "measured_bytes_per_token_head",
-    "fp16_bytes_per_token_head"}}``: ``ppl_delta_ci95`` is the 95% interval of the
-    perplexity change against the fp reference on the same tokens
-    (:func:`~oiq_mlx.eval.stats.paired_change_ci`); the last two are ``nbytes`` per token per KV head at the end of a window, as the
+    "fp16_bytes_per_token_head"}}``: ``ppl_delta_ci95`` is ``[low, high]``, the 95%
+    interval of the perplexity change against the fp reference on the same tokens
+    (:func:`~oiq_mlx.eval.stats.paired_change_ci`; None under two blocks of 32 scored
+    tokens); the last two are ``nbytes`` per token per KV head at the end of a window, as the
     evaluation ran (the model's dtype on this machine) and as a float16 model's cache
     allocates them after the same calls (:func:`allocated_bytes_per_token`; the mean
     over windows for a calibrated spec).
@@ -210,7 +216,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
             "tokens": r["n"],
             "tokens_per_s": windows * (span - 1) / r["seconds"] if r["seconds"] else None,
             "ppl_per_window": r["win_nll"],
-            "ppl_delta_ci95": paired_change_ci(np.concatenate(r["diff"])),
+            "ppl_delta_ci95": _interval(np.concatenate(r["diff"])),
             "measured_bytes_per_token_head": float(np.mean(r["bytes"])),
             "fp16_bytes_per_token_head": float(np.mean(r["fp16_bytes"])),
         }

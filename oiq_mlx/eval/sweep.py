@@ -25,7 +25,6 @@ cosine).  This module adds:
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -51,7 +50,8 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
     the ``[layer, k_bits, v_bits]`` triples, one list per window, calibrated on
     each window's prompt for a ``layer_bits=auto`` spec; None otherwise), ``ppl``, ``ppl_delta``
     (relative to fp), ``ppl_delta_ci95`` (its 95% interval from the per-token differences,
-    :func:`oiq_mlx.eval.stats.paired_change_ci`; None under 64 scored tokens), ``kl``, ``top1``, ``tokens_per_s``."""
+    :func:`oiq_mlx.eval.stats.paired_change_ci`; None under 64 scored tokens), ``kl``, ``top1``,
+    ``tokens_per_s``."""
     install()
     specs = list(specs)
     if not specs or specs[0].kind != "fp":
@@ -79,7 +79,7 @@ def sweep(model, tokens, specs, *, prompt_len: int = 256, score_len: int = 768, 
             "bytes_allocated": r["fp16_bytes_per_token_head"],
             "ppl": r["ppl"],
             "ppl_delta": r["ppl"] / fp_ppl - 1,
-            "ppl_delta_ci95": None if math.isnan(r["ppl_delta_ci95"][0]) else list(r["ppl_delta_ci95"]),
+            "ppl_delta_ci95": r["ppl_delta_ci95"],
             "kl": r["kl"],
             "top1": r["top1"],
             "tokens_per_s": r["tokens_per_s"],
