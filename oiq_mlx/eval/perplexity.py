@@ -89,7 +89,7 @@ def allocated_bytes_per_token(spec: CacheSpec, model, evaluated: list, calls, dt
     return measured_bytes_per_token(fresh, sum(calls))
 
 
-def _interval(diff) -> list | None:
+def _change_interval(diff) -> list | None:
     low, high = paired_change_ci(diff)
     return None if math.isnan(low) else [low, high]
 
@@ -181,11 +181,12 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
                 else:
                     kl = kl_divergence(logp_ref, logp).sum()
                     top1 = (mx.argmax(logp, -1) == mx.argmax(logp_ref, -1)).sum()
-                mx.eval(nll, kl, top1, logp_ref, nll_ref, token_nll, _cache_arrays(c))
+                diff = token_nll - nll_ref
+                mx.eval(nll, kl, top1, logp_ref, diff, _cache_arrays(c))
                 dt = time.perf_counter() - t
                 r = acc[s.name]
                 r["seconds"] += dt
-                r["diff"].append(np.array(token_nll - nll_ref))
+                r["diff"].append(np.array(diff))
                 r["nll"] += nll.item()
                 r["kl"] += kl.item()
                 r["top1"] += int(top1.item())
@@ -216,7 +217,7 @@ def perplexity_eval(model, tokens, specs, *, prompt_len: int, score_len: int, ch
             "tokens": r["n"],
             "tokens_per_s": windows * (span - 1) / r["seconds"] if r["seconds"] else None,
             "ppl_per_window": r["win_nll"],
-            "ppl_delta_ci95": _interval(np.concatenate(r["diff"])),
+            "ppl_delta_ci95": _change_interval(np.concatenate(r["diff"])),
             "measured_bytes_per_token_head": float(np.mean(r["bytes"])),
             "fp16_bytes_per_token_head": float(np.mean(r["fp16_bytes"])),
         }

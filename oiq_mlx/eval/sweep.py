@@ -99,13 +99,13 @@ def frontier_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['name']} | {r['bytes_per_token']:g} | {_allocated(r['bytes_allocated'])} | {r['ppl']:.3f} "
-            f"| {100 * r['ppl_delta']:+.2f}% |" + (f" {_interval(r['ppl_delta_ci95'])} |" if ci else "")
+            f"| {100 * r['ppl_delta']:+.2f}% |" + (f" {_interval_text(r['ppl_delta_ci95'])} |" if ci else "")
             + f" {r['kl']:.4f} | {100 * r['top1']:.1f}% |"
         )
     return "\n".join(lines)
 
 
-def _interval(ci) -> str:
+def _interval_text(ci) -> str:
     lo, hi = ci
     return "-" if lo == hi == 0 else f"{100 * lo:+.2f}% to {100 * hi:+.2f}%"
 
