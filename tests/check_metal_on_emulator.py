@@ -29,16 +29,17 @@ def main(argv=None) -> int:
     from oiq_mlx.kernels import dispatch
 
     patch = pytest.MonkeyPatch()
-    try:
-        use_emulator(patch)
-        patch.setattr(dispatch, "kernels_enabled", lambda: True)
-        patch.setattr(metal_check, "require_metal", lambda: None)
-        patch.setenv("OIQ_MLX_KERNELS", "kernels")
-        # any first-use verdict goes to a folder of its own, not the user's cache
-        patch.setenv("OIQ_MLX_SELFTEST_DIR", tempfile.mkdtemp(prefix="oiq_mlx_emulated_check_"))
-        return check_metal.main(argv)
-    finally:
-        patch.undo()
+    # any first-use verdict goes to a folder of its own, not the user's cache, removed afterwards
+    with tempfile.TemporaryDirectory(prefix="oiq_mlx_emulated_check_") as verdicts:
+        try:
+            use_emulator(patch)
+            patch.setattr(dispatch, "kernels_enabled", lambda: True)
+            patch.setattr(metal_check, "require_metal", lambda: None)
+            patch.setenv("OIQ_MLX_KERNELS", "kernels")
+            patch.setenv("OIQ_MLX_SELFTEST_DIR", verdicts)
+            return check_metal.main(argv)
+        finally:
+            patch.undo()
 
 
 if __name__ == "__main__":

@@ -98,7 +98,7 @@ def test_running_sequences_are_reported_while_they_run(tokenizer, tmp_path):
 def _fill(args, texts, tmp_path, name) -> list:
     """Each text as a chat, one after the other; the prompt cache after each."""
     out = []
-    with ServerProcess([*args, "--prompt-cache-bytes", "25MB", "--prompt-cache-size", "64"],
+    with ServerProcess([*args, "--prompt-cache-bytes", "14MB", "--prompt-cache-size", "64"],
                        log_path=tmp_path / f"{name}.log") as srv:
         for text in texts:
             answer = chat(srv.port, text)
@@ -107,15 +107,15 @@ def _fill(args, texts, tmp_path, name) -> list:
 
 
 def test_the_prompt_cache_byte_bound_keeps_three_times_the_chats_of_full_precision(tokenizer, tmp_path):
-    """``--prompt-cache-bytes 25MB``, chats of 482 tokens one after the other: the bound holds
+    """``--prompt-cache-bytes 14MB``, chats of 232 tokens one after the other: the bound holds
     after every chat, counted at the bytes the entries hold; full precision (``--no-oiq``, float32
-    on this machine: one entry of 22.2 MB a chat) keeps 1 chat, OIQ (one entry of 5.3 MB a chat)
+    on this machine: one entry of 10.7 MB a chat) keeps 1 chat, OIQ (one entry of 3.3 MB a chat)
     keeps 4, the latest (the bound with kept checkpoints: tests/mlx_lm/test_prompt_cache.py)."""
-    texts = chat_texts(tokenizer, 450, n=5)
+    texts = chat_texts(tokenizer, 200, n=5)
     fp = _fill(["--no-oiq"], texts[:2], tmp_path, "fp")
     oiq = _fill(OIQ, texts, tmp_path, "oiq")
     for pc in fp + oiq:
-        assert pc["max_bytes"] == 25_000_000 and pc["bytes"] <= pc["max_bytes"]
+        assert pc["max_bytes"] == 14_000_000 and pc["bytes"] <= pc["max_bytes"]
         assert pc["bytes"] == sum(i["bytes"] for i in pc["items"])
     kept_fp = fp[-1]["by_type"]["assistant"]["n_sequences"]
     assert kept_fp == 1 and [pc["by_type"]["assistant"]["n_sequences"] for pc in fp] == [1, 1]
@@ -124,4 +124,4 @@ def test_the_prompt_cache_byte_bound_keeps_three_times_the_chats_of_full_precisi
     assert kept[-1] < 5  # the bound evicted
     # one entry a chat: the newest chats, each the whole chat
     assert [i["type"] for i in oiq[-1]["items"]] == ["assistant"] * kept[-1]
-    assert all(i["tokens"] > 450 for i in oiq[-1]["items"])
+    assert all(i["tokens"] > 200 for i in oiq[-1]["items"])

@@ -4,6 +4,7 @@ and McNemar's test on constructed cases, the shared first prefill chunk against
 whole-prompt ``generate_step``, and the script end to end on SmolLM2."""
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -504,15 +505,21 @@ def test_record_first_chunk_refuses_shared_layers():
         nd.record_first_chunk(Shared(), list(range(20)), 10)
 
 
-def test_script_rejects_bad_options():
+def test_script_rejects_bad_options(capsys):
+    """In one process (the script's main, as its command line calls it): each refusal is argparse's
+    exit status 2 and a message naming the option, before any model loads."""
+    main = runpy.run_path(str(ROOT / "scripts" / "needle_stats.py"), run_name="needle_stats")["main"]
     for args, msg in ((["--trials", "0"], "--trials"), (["--depths", "0.5,2"], "--depths"),
                       (["--resume"], "--resume needs --json"), (["--texts", "/nonexistent.txt"], "cannot read"),
                       (["--caches", "fp,nonsense-9"], "nonsense"),
                       (["--only", "180"], "indices 0..179"), (["--quick", "--only", "3,12"], "indices 0..11")):
-        out = subprocess.run([sys.executable, str(ROOT / "scripts" / "needle_stats.py"), *args],
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode == 2, args
-        assert msg in out.stderr, (args, out.stderr)
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 2, args
+        assert msg in capsys.readouterr().err, args
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "needle_stats.py"), "--trials", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--trials" in out.stderr, out.stderr
 
 
 @pytest.mark.slow

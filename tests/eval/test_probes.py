@@ -2,9 +2,12 @@
 results file they write, and the docs table it renders to."""
 
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from oiq_mlx.bench import docs_tables
 
@@ -27,11 +30,17 @@ def test_codebook_probe_mse_writes_what_the_docs_render(tmp_path):
     assert docs_tables.render([out.name], tmp_path) == r.stdout.strip().split("\n", 1)[1]
 
 
-def test_probes_refuse_a_text_too_short_and_an_unknown_codebook():
-    """Before the model runs on any text (each of these ends in seconds)."""
-    r = _run("scripts/rotation_probe.py", "mse", "--tokens", "99999", "--eval-from", "100", "--quiet")
-    assert r.returncode != 0 and "fewer than the 99999 asked for" in r.stderr
-    r = _run("scripts/rotation_probe.py", "ppl", "--calib-tokens", "99999", "--quiet")
-    assert r.returncode != 0 and "fewer than the 99999 asked for" in r.stderr and "prideprejudice" in r.stderr
-    r = _run("scripts/codebook_probe.py", "mse", "--variants", "vq-4", "--quiet")
+def test_probes_refuse_a_text_too_short_and_an_unknown_codebook(capsys):
+    """Before the model runs on any text: the scripts' own main, in this process."""
+    rotation_probe = runpy.run_path(str(ROOT / "scripts" / "rotation_probe.py"), run_name="probe")["main"]
+    codebook_probe = runpy.run_path(str(ROOT / "scripts" / "codebook_probe.py"), run_name="probe")["main"]
+    # the script ends with the message (sys.exit(text): exit status 1, the text on stderr)
+    with pytest.raises(SystemExit, match="northangerabbey.* fewer than the 99999 asked for"):
+        rotation_probe(["mse", "--tokens", "99999", "--eval-from", "100", "--quiet"])
+    with pytest.raises(SystemExit, match="prideprejudice.* fewer than the 99999 asked for"):
+        rotation_probe(["ppl", "--calib-tokens", "99999", "--quiet"])
+    with pytest.raises(SystemExit) as exit_:
+        codebook_probe(["mse", "--variants", "vq-4", "--quiet"])
+    assert exit_.value.code == 2 and "unknown codebook 'vq-4'" in capsys.readouterr().err
+    r = _run("scripts/codebook_probe.py", "mse", "--variants", "vq-4", "--quiet")  # and from the command line
     assert r.returncode == 2 and "unknown codebook 'vq-4'" in r.stderr

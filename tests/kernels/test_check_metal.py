@@ -1,5 +1,5 @@
-"""scripts/check_metal.py's checks (oiq_mlx.bench.metal_check) on the CPU Metal emulator: one check of
-each kind of the reduced grid passes with the real kernels, asserting what each claims to exercise
+"""scripts/check_metal.py's checks (oiq_mlx.bench.metal_check) on the CPU Metal emulator: a sample of
+the reduced grid's kinds passes with the real kernels, asserting what each claims to exercise
 (CI runs the whole grid through the script itself after the suite), and fails, a row per broken check
 with a FAIL verdict, when a kernel packs rows wrong or ignores a mask."""
 
@@ -28,13 +28,14 @@ def _run(names=None):
         return [check.isolated(n, fn) for n, fn in picked]
 
 
-# one check of each kind; CI runs the whole --quick grid through the script itself after the suite
+# a sample of the kinds (codec, both write paths, decode inside and past the window, sinks with a
+# verify block, trim, a ragged batch); DECODE passes in test_a_kernel_that_ignores_the_mask_fails,
+# and CI runs the whole --quick grid through the script itself after the suite
 # (tests/check_metal_on_emulator.py, .ci/run)
 SAMPLE = ["codec d=64 5b g32 float16", "write 4bit [preset] d=64 float16 T=200",
           "write 2bit [clip=False] d=64 float16 T=200", "decode 3bit d=64 T=40 B=2 float16",
-          "decode 4bit d=64 T=200 B=2 bfloat16", "decode 4bit d=64 T=200 verify L=3 additive mask",
-          "decode 4bit d=64 T=200 after trim", "decode 4bit d=64 T=200 after save/load",
-          "decode 4bit d=64 T=200 sinks, verify L=4", "ragged batch 4bit d=64 T=(25, 50, 100, 200)"]
+          "decode 4bit d=64 T=200 after trim", "decode 4bit d=64 T=200 sinks, verify L=4",
+          "ragged batch 4bit d=64 T=(25, 50, 100, 200)"]
 
 
 def test_the_quick_grid_has_every_kind_of_check():
@@ -56,7 +57,7 @@ def test_the_quick_grid_passes_on_the_real_kernels(kernels):
 
 
 WRITE = "write 4bit [preset] d=64 float16 T=200"
-DECODE = "decode 4bit d=64 T=200 B=2 bfloat16"
+DECODE = "decode 3bit d=64 T=200 B=1 bfloat16"
 VERIFY = "decode 4bit d=64 T=200 verify L=4 causal"
 
 

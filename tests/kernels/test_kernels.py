@@ -17,6 +17,7 @@ import itertools
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import mlx.core as mx
@@ -989,36 +990,42 @@ _SWEEPS = {"oiq_quantize": _sweep_quantize, "oiq_dequantize": _sweep_dequantize,
            "oiq_decode_attention": _sweep_attention}
 
 
-@pytest.mark.parametrize("kernel, template", [p for p in PRODUCTION if p[0] in _SWEEPS],
-                         ids=[_instantiation_id(*p) for p in PRODUCTION if p[0] in _SWEEPS])
-def test_production_instantiation(metal_emulator, kernel, template):
-    """Each instantiation dispatch can request, against the reference; the merge kernel runs
-    with every attention case."""
-    _sweep(kernel, template)
-
-
-def _sweep(kernel, template):
-    t = dict(template)
-    _SWEEPS[kernel](t["D"], t.get("T", t.get("OutT", t.get("FT"))), t.get("QB"))
-
-
 @pytest.fixture(scope="module")
 def production_run():
-    """(launches, resources) of every production sweep and of the packing pass with and without
-    the clip search, key scales and joined rows (runtime values the sweeps leave out), recorded
-    afresh: the two tests below read what these launched, whichever tests ran before them.  The
-    sweeps check their outputs as test_production_instantiation does."""
+    """(launches, resources, failures) of every production sweep and of the packing pass with and
+    without the clip search, key scales and joined rows (runtime values the sweeps leave out),
+    recorded afresh: the tests below read what these launched, whichever tests ran before them.
+    Each sweep checks its outputs against the reference; ``failures`` maps the id of each
+    instantiation whose sweep raised to the traceback (test_production_instantiation reports it)."""
+    failures = {}
     with pytest.MonkeyPatch.context() as m:
         use_emulator(m)
         m.setattr(emulator, "LAUNCHES", [])
         m.setattr(emulator, "RESOURCES", {})
         for kernel, template in PRODUCTION:
             if kernel in _SWEEPS:
-                _sweep(kernel, template)
+                try:
+                    _sweep(kernel, template)
+                except Exception:
+                    failures[_instantiation_id(kernel, template)] = traceback.format_exc()
         buf, lam, signs = _window_buffer(1, 2, 24, 64, mx.float16, seed=7)
         mx.eval(kernel_quantize_rows(buf, bits=4, group_size=32, clip=True, lam=lam, signs=signs, rotate=True,
                                      joined=True))
-        return list(emulator.LAUNCHES), dict(emulator.RESOURCES)
+        return list(emulator.LAUNCHES), dict(emulator.RESOURCES), failures
+
+
+@pytest.mark.parametrize("kernel, template", [p for p in PRODUCTION if p[0] in _SWEEPS],
+                         ids=[_instantiation_id(*p) for p in PRODUCTION if p[0] in _SWEEPS])
+def test_production_instantiation(production_run, kernel, template):
+    """Each instantiation dispatch can request, against the reference (its sweep in
+    production_run); the merge kernel runs with every attention case."""
+    failure = production_run[2].get(_instantiation_id(kernel, template))
+    assert failure is None, failure
+
+
+def _sweep(kernel, template):
+    t = dict(template)
+    _SWEEPS[kernel](t["D"], t.get("T", t.get("OutT", t.get("FT"))), t.get("QB"))
 
 
 def _launched(launches, kernel):
@@ -1028,7 +1035,7 @@ def _launched(launches, kernel):
 def test_every_production_instantiation_ran(production_run):
     """Every instantiation dispatch can request ran under the emulator, with every runtime
     parameter value it takes (bits, groups, mask modes, merge flags, GQA, L, batch)."""
-    launches, _ = production_run
+    launches, _, _ = production_run
     ran_ids = {_instantiation_id(k, r["template"]) for k in {p[0] for p in PRODUCTION} for r in _launched(launches, k)}
     missing = [_instantiation_id(*p) for p in PRODUCTION if _instantiation_id(*p) not in ran_ids]
     assert not missing, f"{len(missing)} production instantiations never ran: {missing}"
@@ -1057,7 +1064,7 @@ def test_every_production_instantiation_ran(production_run):
 
 def test_resources_of_production_instantiations(production_run):
     """Threadgroup memory and the per-thread state estimate of every production instantiation."""
-    _, resources = production_run
+    _, resources, _ = production_run
     rows = [r for r in resources.values() if r["kernel"].startswith("oiq_")]
     assert {(r["kernel"], r["template"]) for r in rows} == {
         (k, ", ".join(f"{a}={emulator._tname(v)}" for a, v in t)) for k, t in PRODUCTION}
