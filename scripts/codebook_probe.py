@@ -21,6 +21,7 @@ The default text is Northanger Abbey, one of the texts the presets were tuned on
 
     python scripts/codebook_probe.py mse --variants uniform-2,vq-2x16,vq-4x256,vq-4x64   # ~1 min
     python scripts/codebook_probe.py ppl --chunk 64 --variants vq-4x256                  # ~5 min
+    python scripts/codebook_probe.py ppl --chunk 64 --variants vq-4x256 --align 1        # aligned scales
 """
 
 import argparse
@@ -40,7 +41,7 @@ from oiq_mlx.mlx_lm.caches import model_head_dim
 def run_mse(args, model, tokenizer, progress, books) -> dict:
     cfg = OIQConfig.preset(args.preset)
     rows = packed_rows(model, probes.tokens_of(tokenizer, args.text, args.tokens), cfg)
-    result = codebook.packed_errors(rows, cfg, books, progress)
+    result = codebook.packed_errors(rows, cfg, books, progress, align=args.align)
     print(f"{os.path.basename(args.text)}, {args.tokens} tokens, rows of preset {args.preset} "
           "(preset: its own quantizer)")
     print(codebook.errors_table(result))
@@ -56,7 +57,8 @@ def run_ppl(args, model, tokenizer, progress, books) -> dict:
     d = model_head_dim(model)
     for v, book in books.items():
         progress(f"{v}: {codebook.bits_per_coordinate(book):g} bits per coordinate, in a {args.preset} cache")
-        with codebook.packing_through(lambda y, book=book: codebook.reconstruct(y, book, carrier.oiq.group_size)):
+        with codebook.packing_through(lambda y, book=book: codebook.reconstruct(
+                y, book, carrier.oiq.group_size, align=args.align)):
             row = fidelity.sweep(model, tokens, [carrier], **kw)[1]
         row.update(name=f"{args.preset} + {v}", description=f"{carrier.description}, rows packed by {v}",
                    bytes_per_token=codebook.packed_bytes(d, book, carrier.oiq.group_size), bytes_allocated=None)
@@ -81,12 +83,17 @@ def main(argv=None):
     p.add_argument("--caches", default="preset:2bit",
                    help="ppl: caches run as they are, comma-separated as fidelity_sweep.py names them "
                         "(default %(default)s; empty: none)")
+    p.add_argument("--align", type=float, default=0.0, choices=(0.0, 0.5, 1.0),
+                   help="keep each group's codewords and store the aligned scale sum(y*y)/sum(y*u) (1), the mean "
+                        "of it and the searched one (0.5), or the searched one (0, the default), as the presets' "
+                        "align_scales / key_alignment do for the integer grid")
     p.add_argument("--seed", type=int, default=0, help="ppl: rotation seed of the variants' caches (default 0)")
     probes.add_protocol_options(p)
     args = p.parse_args(argv)
     try:
         cfg = OIQConfig.preset(args.preset)
-        books = {v: codebook.parse_variant(v, cfg.group_size) for v in args.variants.split(",") if v}
+        books = {v + (f" aligned {args.align:g}" if args.align else ""): codebook.parse_variant(v, cfg.group_size)
+                 for v in args.variants.split(",") if v}
     except ValueError as e:
         p.error(str(e))
     mode = run_mse if args.mode == "mse" else run_ppl

@@ -110,10 +110,14 @@ def packed_bytes(dim: int, book: np.ndarray, group_size: int = 32) -> float:
     return 2 * (dim * bits_per_coordinate(book) / 8 + dim // group_size * 2)
 
 
-def reconstruct(y: mx.array, book, group_size: int = 32, ratios=RATIOS) -> mx.array:
+def reconstruct(y: mx.array, book, group_size: int = 32, ratios=RATIOS, align: float = 0.0) -> mx.array:
     """``y`` (``(..., d)``) quantized by ``book`` (``C x k``) and decoded: per group of
     ``group_size`` coordinates the float16 scale (RMS times one of ``ratios``) whose nearest
-    codewords leave the least squared error.  Float32, the shape of ``y``."""
+    codewords leave the least squared error.  With ``align`` (1 or 0.5), the codewords so
+    chosen keep that choice and the group stores the aligned scale ``sum(y*y) / sum(y*u)``
+    (``u``: the chosen codewords at scale 1), or the mean of it and the searched one, as
+    ``codec.quantize(align=...)`` does for the integer grid.  Float32, the shape of ``y``."""
+    align = codec.check_alignment(align)
     book = mx.array(np.asarray(book, np.float32))
     k = book.shape[1]
     d = y.shape[-1]
@@ -122,21 +126,29 @@ def reconstruct(y: mx.array, book, group_size: int = 32, ratios=RATIOS) -> mx.ar
     g = y.astype(mx.float32).reshape(-1, d // group_size, group_size)
     rms = mx.sqrt(mx.mean(g * g, axis=-1, keepdims=True))
     b2 = mx.sum(book * book, axis=1)
-    best_err = best = None
+    best_err = best = best_s = None
     for a in ratios:
         s = (rms * a).astype(mx.float16).astype(mx.float32)
         s = mx.where(s > 0, s, 1.0)
         z = (g / s).reshape(-1, k)
         idx = mx.argmin(b2[None] - 2 * (z @ book.T), axis=1)
-        r = book[idx].reshape(g.shape) * s
-        err = mx.sum(mx.square(g - r), axis=-1, keepdims=True)
+        u = book[idx].reshape(g.shape)
+        err = mx.sum(mx.square(g - u * s), axis=-1, keepdims=True)
         if best is None:
-            best_err, best = err, r
+            best_err, best, best_s = err, u, s
         else:
             better = err < best_err
-            best_err, best = mx.where(better, err, best_err), mx.where(better, r, best)
-        mx.eval(best_err, best)
-    return best.reshape(y.shape)
+            best_err, best, best_s = (mx.where(better, err, best_err), mx.where(better, u, best),
+                                      mx.where(better, s, best_s))
+        mx.eval(best_err, best, best_s)
+    scale = mx.where(rms > 0, best_s, 0.0)  # a zero group decodes to zero
+    if align:
+        yy = mx.sum(g * g, axis=-1, keepdims=True)
+        yu = mx.sum(g * best, axis=-1, keepdims=True)
+        ratio = yy / mx.where(yu > 0, yu, 1.0)
+        target = ratio if align == 1.0 else 0.5 * (scale + ratio)
+        scale = mx.where(yu > 0, target.astype(mx.float16).astype(mx.float32), scale)
+    return (best * scale).reshape(y.shape)
 
 
 @contextlib.contextmanager
@@ -164,11 +176,12 @@ def packing_through(reconstruct_rows):
         dispatch.quantize_rows = original
 
 
-def packed_errors(rows: dict, config, books: dict, progress=None) -> dict:
+def packed_errors(rows: dict, config, books: dict, progress=None, align: float = 0.0) -> dict:
     """Relative squared errors ``||x - x_hat||^2 / ||x||^2`` on the packed rows ``rows``
     (:func:`oiq_mlx.eval.rotation.packed_rows` of a cache of ``config``), per side: ``config``'s
     own quantizer (clip search, aligned scales; named ``"preset"``), then each of ``books``
-    (``{name: codebook}``) at ``config``'s group size.  Returns ``{"codebook_errors": {side:
+    (``{name: codebook}``) at ``config``'s group size, scales aligned by ``align``
+    (:func:`reconstruct`).  Returns ``{"codebook_errors": {side:
     {name: error}}, "bytes": {name: bytes per token and KV head}}``."""
     errors = {}
     d = next(iter(rows.values()))[0].shape[-1]
@@ -181,7 +194,7 @@ def packed_errors(rows: dict, config, books: dict, progress=None) -> dict:
         for v, book in books.items():
             if progress is not None:
                 progress(f"{name}: {v}")
-            e[v] = float(mx.sum(mx.square(x - reconstruct(x, book, config.group_size)))) / den
+            e[v] = float(mx.sum(mx.square(x - reconstruct(x, book, config.group_size, align=align)))) / den
         errors[name] = e
     return {"codebook_errors": errors, "bytes": {"preset": config.bytes_per_token(d)} | {
         v: packed_bytes(d, book, config.group_size) for v, book in books.items()}}

@@ -45,6 +45,34 @@ def test_reconstruct_is_the_nearest_codewords_at_the_searched_float16_scale():
     assert err(searched).sum() < err(got).sum()
 
 
+def test_aligned_scales_keep_the_searched_codewords_and_each_groups_projection():
+    """align=1: the codewords of the search, at the scale sum(y*y) / sum(y*u), so that each group's
+    reconstruction projects onto the group with the group's own squared length; align=0.5: the mean
+    of that scale and the searched one.  A zero group decodes to zero."""
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal((6, 64)).astype(np.float32) * rng.uniform(0.1, 10, (6, 1)).astype(np.float32)
+    y[5, :32] = 0
+    book = codebook.gaussian_codebook(4, 16, groups=2000, iters=10)
+    searched, aligned, half = (np.array(codebook.reconstruct(mx.array(y), book, 32, align=a)).reshape(6, 2, 32)
+                               for a in (0, 1, 0.5))
+    g = y.reshape(6, 2, 32)
+    assert np.all(searched[5, 0] == 0) and np.all(aligned[5, 0] == 0) and np.all(half[5, 0] == 0)
+    live = np.ones((6, 2), bool)
+    live[5, 0] = False
+    # same codewords: the three reconstructions are positive multiples of each other per group
+    norm = np.where(live, (searched * searched).sum(-1), 1)
+    ratio_a = (aligned * searched).sum(-1) / norm
+    assert np.allclose(aligned[live], (ratio_a[..., None] * searched)[live], rtol=1e-5, atol=1e-6)
+    assert np.all(ratio_a[live] > 0)
+    # aligned: <y, r> = <y, y>, to float16's rounding of the scale
+    assert np.allclose((g * aligned).sum(-1)[live], (g * g).sum(-1)[live], rtol=2e-3)
+    assert not np.allclose((g * searched).sum(-1)[live], (g * g).sum(-1)[live], rtol=2e-3)
+    ratio_h = (half * searched).sum(-1) / norm
+    assert np.allclose(ratio_h[live], (1 + ratio_a[live]) / 2, rtol=2e-3)
+    with pytest.raises(ValueError):
+        codebook.reconstruct(mx.array(y), book, 32, align=0.3)
+
+
 def test_rates_and_names():
     assert codebook.bits_per_coordinate(codebook.uniform_grid(2)) == 2
     book = codebook.parse_variant("vq-4x64")
@@ -127,6 +155,13 @@ def test_packed_errors_compare_the_preset_with_each_codebook_and_render_as_a_doc
     assert docs_tables.kind_of(result) == "codebook_errors"
     table = codebook.errors_table(result)
     assert table.count("\n") == 4 and "| vq-2x8 | 32 |" in table
+    # aligned scales give up squared error for the rows' lengths: more error, never less
+    rows = packed_rows(model, tokens, cfg)
+    aligned = codebook.packed_errors(rows, cfg, books, align=1)["codebook_errors"]
+    for side in ("keys", "values"):
+        assert aligned[side]["preset"] == result["codebook_errors"][side]["preset"]
+        for v in books:
+            assert result["codebook_errors"][side][v] < aligned[side][v] < 1.5 * result["codebook_errors"][side][v]
 
 
 def test_the_spread_view_gives_mean_and_range_over_a_files_caches(tmp_path):
