@@ -13,11 +13,15 @@ file's tests stay together, so a module-scoped fixture is built once).  The seed
 $OIQ_TEST_SEED, or is drawn fresh when it is unset; the header of the run prints it, and
 ``OIQ_TEST_SEED=<that seed>`` replays the same order.  ``OIQ_TEST_SEED=none`` keeps file order;
 ``OIQ_TEST_SEED=reverse`` runs the files and the tests of each file in reverse file order.
+Under pytest-xdist (``-n 2 --dist loadfile``, as CI runs the suite) every worker takes the
+controller's seed, and each file runs whole on one worker.
 """
 
 import os
 import random
 from pathlib import Path
+
+import pytest
 
 import oiq_mlx  # noqa: F401  (must come first)
 import mlx_lm  # noqa: E402
@@ -43,7 +47,15 @@ def _order_seed():
 
 
 def pytest_configure(config):
-    config._oiq_order_seed = _order_seed()
+    worker = getattr(config, "workerinput", None)  # a pytest-xdist worker: the controller's seed
+    config._oiq_order_seed = worker["oiq_order_seed"] if worker is not None else _order_seed()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist (``-n 2 --dist loadfile``, as CI runs the suite): every worker collects in the
+    controller's order, which xdist requires of them."""
+    node.workerinput["oiq_order_seed"] = node.config._oiq_order_seed
 
 
 def pytest_report_header(config):
