@@ -53,20 +53,32 @@ def run_ppl(args, model, tokenizer, progress, books) -> dict:
     kw = probes.sweep_options(args, progress)
     specs = [fidelity.parse_spec(c) for c in split_spec_list(args.caches)] if args.caches else []
     rows = fidelity.sweep(model, tokens, specs, **kw)
-    carrier = fidelity.parse_spec(f"preset:{args.preset}[k_bits=8,v_bits=8,seed={args.seed}]")
+    carriers = [fidelity.parse_spec(f"preset:{args.preset}[k_bits=8,v_bits=8,seed={s}]") for s in args.seed]
     d = model_head_dim(model)
     for v, book in books.items():
         progress(f"{v}: {codebook.bits_per_coordinate(book):g} bits per coordinate, in a {args.preset} cache")
         with codebook.packing_through(lambda y, book=book: codebook.reconstruct(
-                y, book, carrier.oiq.group_size, align=args.align)):
-            row = fidelity.sweep(model, tokens, [carrier], **kw)[1]
-        row.update(name=f"{args.preset} + {v}", description=f"{carrier.description}, rows packed by {v}",
-                   bytes_per_token=codebook.packed_bytes(d, book, carrier.oiq.group_size), bytes_allocated=None)
-        rows.append(row)
+                y, book, carriers[0].oiq.group_size, align=args.align)):
+            runs = fidelity.sweep(model, tokens, carriers, **kw)[1:]
+        for seed, carrier, row in zip(args.seed, carriers, runs):
+            name = f"{args.preset} + {v}" + (f" (seed {seed})" if len(args.seed) > 1 else "")
+            row.update(name=name, description=f"{carrier.description}, rows packed by {v}",
+                       bytes_per_token=codebook.packed_bytes(d, book, carrier.oiq.group_size), bytes_allocated=None)
+            rows.append(row)
     print(f"{os.path.basename(args.text)}, prompt {args.prompt}, scored {args.scored}, chunk {args.chunk}, "
           f"{args.windows} windows")
     print(fidelity.frontier_table(rows))
     return {"rows": rows, "scored": args.scored, "prompt": args.prompt, "chunk": args.chunk, "windows": args.windows}
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seeds are comma-separated integers, got {text!r}") from None
+    if any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be distinct and >= 0, got {text!r}")
+    return seeds
 
 
 def main(argv=None):
@@ -87,7 +99,9 @@ def main(argv=None):
                    help="keep each group's codewords and store the aligned scale sum(y*y)/sum(y*u) (1), the mean "
                         "of it and the searched one (0.5), or the searched one (0, the default), as the presets' "
                         "align_scales / key_alignment do for the integer grid")
-    p.add_argument("--seed", type=int, default=0, help="ppl: rotation seed of the variants' caches (default 0)")
+    p.add_argument("--seed", type=_seeds, default=[0],
+                   help="ppl: rotation seed of the variants' caches, or several, comma-separated, each a row "
+                        "(default 0)")
     probes.add_protocol_options(p)
     args = p.parse_args(argv)
     try:
