@@ -146,7 +146,8 @@ def test_packed_errors_compare_the_preset_with_each_codebook_and_render_as_a_doc
     tokens = mx.random.randint(0, 256, (160,), key=mx.random.key(5)).tolist()
     cfg = OIQConfig.preset("2bit")
     books = {"uniform-2": codebook.uniform_grid(2), "vq-2x8": codebook.parse_variant("vq-2x8")}
-    result = codebook.packed_errors(packed_rows(model, tokens, cfg), cfg, books)
+    rows = packed_rows(model, tokens, cfg)
+    result = codebook.packed_errors(rows, cfg, books)
     assert result["bytes"] == {"preset": 40, "uniform-2": 40, "vq-2x8": 32}
     for side in ("keys", "values"):
         e = result["codebook_errors"][side]
@@ -155,8 +156,7 @@ def test_packed_errors_compare_the_preset_with_each_codebook_and_render_as_a_doc
     assert docs_tables.kind_of(result) == "codebook_errors"
     table = codebook.errors_table(result)
     assert table.count("\n") == 4 and "| vq-2x8 | 32 |" in table
-    # aligned scales give up squared error for the rows' lengths: more error, never less
-    rows = packed_rows(model, tokens, cfg)
+    # aligned scales give up squared error for the rows' lengths: more error on these rows
     aligned = codebook.packed_errors(rows, cfg, books, align=1)["codebook_errors"]
     for side in ("keys", "values"):
         assert aligned[side]["preset"] == result["codebook_errors"][side]["preset"]
