@@ -123,8 +123,9 @@ def _random_model(model_type, vocab_size, **extra):
     return model, args
 
 
-def write_gguf(path, model, args, arch, vocab):
-    """``model`` as a GGUF the way llama.cpp's converter lays it out (F32 tensors)."""
+def write_gguf(path, model, args, arch, vocab, quant=None):
+    """``model`` as a GGUF the way llama.cpp's converter lays it out: F32 tensors, or the GGUF type
+    ``quant(hf_name, w)`` names (gguf-py's numpy quantizer; None keeps F32)."""
     writer = gguf.GGUFWriter(str(path), arch)
     n_head, n_kv = args["num_attention_heads"], args["num_key_value_heads"]
     head_dim = args.get("head_dim") or args["hidden_size"] // n_head
@@ -152,7 +153,12 @@ def write_gguf(path, model, args, arch, vocab):
         w = np.array(value, dtype=np.float32)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute(w, n_head if "q_proj" in hf_name else n_kv)
-        writer.add_tensor(gguf_name, w)
+        kind = quant(hf_name, w) if quant else None
+        if kind:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, w)
     rope = args.get("rope_scaling")
     if arch == "phi3" and rope:
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], np.float32))
@@ -321,3 +327,37 @@ def test_quantized_weights_load_for_new_archs(tmp_path):
     for loaded in (dense, quant):
         # Q8_0 rounding of every weight: a few percent of the logit range
         assert mx.abs(want - loaded(tokens)).max().item() < 0.05 * mx.abs(want).max().item()
+
+
+LEGACY_BITS = {"Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q8_0": 8}
+
+
+def test_legacy_quants_load_as_they_are(tmp_path):
+    """A file ``mx.load`` refuses (Q5_0 and Q5_1 in it) is read one tensor at a time: each legacy
+    tensor becomes a quantized layer at its own bits whose values are the file's, bit for bit (the
+    llama arch's permuted Q/K rows too), and the model answers as the dense one does."""
+    model_type, arch, vocab, extra = CASES["mistral"]
+    model, args = _random_model(model_type, VOCAB_SIZES["mistral"], **extra)
+    kinds = {}
+
+    def quant(hf_name, w):
+        if w.ndim != 2 or w.shape[-1] % 32:
+            return None
+        kinds[hf_name] = list(LEGACY_BITS)[len(kinds) % len(LEGACY_BITS)]
+        return kinds[hf_name]
+
+    path = tmp_path / "legacy.gguf"
+    write_gguf(path, model, args, arch, vocab, quant=quant)
+    assert set(kinds.values()) == set(LEGACY_BITS)
+    dense, _ = models.load(path, dequantize=True)
+    packed, _ = models.load(path, dequantize=False)
+    want, got = dict(tree_flatten(dense.parameters())), dict(tree_flatten(packed.parameters()))
+    for hf_name, kind in kinds.items():
+        module = hf_name.removesuffix(".weight")
+        w, s, b = got[hf_name], got[f"{module}.scales"], got[f"{module}.biases"]
+        assert w.shape[-1] * 32 == want[hf_name].shape[-1] * LEGACY_BITS[kind], hf_name
+        values = mx.dequantize(w, s, b, group_size=32, bits=LEGACY_BITS[kind])
+        assert mx.array_equal(values, want[hf_name]).item(), (hf_name, kind)
+    tokens = mx.array([[5, 17, 200, 3, 42, 99, 7, 64, 150, 11]])
+    a, b = dense(tokens), packed(tokens)
+    assert mx.abs(a - b).max().item() <= 1e-4 * max(1.0, mx.abs(a).max().item())

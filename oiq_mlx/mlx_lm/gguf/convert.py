@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from . import repack
 from .reader import GGUFError, GGUFFile
 from .tokenizer import build_tokenizer
 
@@ -26,8 +27,6 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # GGUF tensor types mx.load understands (it fails on the whole file otherwise).
 _MX_LOADABLE_TYPES = {"F32", "F16", "Q4_0", "Q4_1", "Q8_0"}
 _FLOAT_TYPES = {"F32", "F16", "BF16"}
-
-_GROUP_SIZE = 32  # the GGUF legacy quants mx.load reads are all group-32
 
 
 def metal_available() -> bool:
@@ -94,7 +93,8 @@ def _unpermute_rows(w, n_heads: int):
 
 
 def _weights_via_mx_load(path):
-    """{gguf tensor name: (weight, scales, biases, bits)} from mx.load."""
+    """{gguf tensor name: (weight, scales, biases, bits)} from mx.load, all at once (it reads a
+    file of ``_MX_LOADABLE_TYPES`` faster than :func:`_tensors`, and as quantized as it is)."""
     try:
         raw = mx.load(str(path))
     except RuntimeError as e:  # GGUFFile checked the layout; this is mlx's own reader
@@ -106,16 +106,22 @@ def _weights_via_mx_load(path):
             continue
         if suffix == "weight" and f"{base}.scales" in raw:
             s = raw[f"{base}.scales"]
-            bits = value.shape[-1] * 32 // (s.shape[-1] * _GROUP_SIZE)
+            bits = value.shape[-1] * 32 // (s.shape[-1] * repack.GROUP_SIZE)
             out[key] = (value, s, raw[f"{base}.biases"], bits)
         else:
             out[key] = (value, None, None, None)
     return out
 
 
-def _weights_via_numpy(gguf_file):
-    """{gguf tensor name: (fp32 mx.array, None, None, None)} dequantized with the gguf package."""
-    return {name: (mx.array(gguf_file.dequantized(name)), None, None, None) for name in gguf_file.tensors}
+def _tensors(gguf_file, quantized: bool):
+    """``(gguf name, (weight, scales, biases, bits))`` for each tensor, read when the loop asks for
+    it: with ``quantized``, legacy quants as MLX affine arrays, exactly (``repack.affine``); every
+    other tensor dequantized to fp32 by the gguf package (scales, biases and bits None).  One
+    tensor at a time, so that a K-quant file never stands in memory in fp32 as a whole."""
+    for name, (kind, shape, _) in gguf_file.tensors.items():
+        legacy = quantized and kind in repack.LEGACY_TYPES
+        packed = repack.affine(gguf_file.raw(name), kind, shape) if legacy else None
+        yield name, packed or (mx.array(gguf_file.dequantized(name)), None, None, None)
 
 
 # ---------------------------------------------------------------- model args
@@ -218,8 +224,9 @@ def load_gguf(path, *, dequantize: bool | None = None):
         path: a ``.gguf`` file of an architecture in ``SUPPORTED_ARCHITECTURES``.
         dequantize: ``True`` -> dense fp32 weights; ``False`` -> mlx
             ``QuantizedLinear``/``QuantizedEmbedding`` (group 32; GGUF legacy
-            quants kept as is, other quantized types such as K-quants
-            dequantized and re-quantized to 8 bits, float tensors kept float);
+            quants Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 kept as they are, at their own
+            bits, other quantized types such as K-quants dequantized and
+            re-quantized to 8 bits, float tensors kept float);
             ``None`` -> ``False`` when Metal is available, else ``True``
             (quantized matmuls are ~10x slower on the CPU backend).
 
@@ -254,15 +261,13 @@ def load_gguf(path, *, dequantize: bool | None = None):
     vocab_size = len(meta.get("tokenizer.ggml.tokens") or []) or _get(meta, arch, "vocab_size")
     config = _model_config(meta, arch, tensor_names, vocab_size, rope_factors)
 
-    if set(tensor_types.values()) <= _MX_LOADABLE_TYPES:
-        loaded = _weights_via_mx_load(path)
-    else:
-        loaded = _weights_via_numpy(gguf_file)
-    del gguf_file
-
     n_heads, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
     weights, quant = {}, {}
-    for gguf_name, (w, scales, biases, bits) in loaded.items():
+    if set(tensor_types.values()) <= _MX_LOADABLE_TYPES:
+        loaded = _weights_via_mx_load(path).items()
+    else:
+        loaded = _tensors(gguf_file, quantized=not dequantize)
+    for gguf_name, (w, scales, biases, bits) in loaded:
         if gguf_name in _ROPE_FACTOR_TENSORS:
             continue
         name = _mlx_name(gguf_name, arch)
@@ -272,29 +277,27 @@ def load_gguf(path, *, dequantize: bool | None = None):
             w = _unpermute_rows(w, heads)
             if scales is not None:
                 scales, biases = _unpermute_rows(scales, heads), _unpermute_rows(biases, heads)
-        if scales is not None:
-            if dequantize:
-                w = mx.dequantize(
-                    w,
-                    scales.astype(mx.float32),
-                    biases.astype(mx.float32),
-                    group_size=_GROUP_SIZE,
-                    bits=bits,
-                )
-            else:
-                weights[f"{module}.scales"] = scales
-                weights[f"{module}.biases"] = biases
-                quant[module] = {"group_size": _GROUP_SIZE, "bits": int(bits)}
+        if scales is not None and dequantize:  # from mx.load
+            w = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
+                              group_size=repack.GROUP_SIZE, bits=bits)
+        elif scales is not None:  # a legacy quant, kept as it is
+            weights[f"{module}.scales"] = scales
+            weights[f"{module}.biases"] = biases
+            quant[module] = {"group_size": repack.GROUP_SIZE, "bits": int(bits)}
         elif not dequantize and tensor_types[gguf_name] not in _FLOAT_TYPES:
             # K-quants (read via numpy) have no mlx layout; 8 bits adds little error.
-            w, s, b = mx.quantize(w.astype(mx.float32), group_size=_GROUP_SIZE, bits=8)
+            w, s, b = mx.quantize(w.astype(mx.float32), group_size=repack.GROUP_SIZE, bits=8)
             weights[f"{module}.scales"], weights[f"{module}.biases"] = s, b
-            quant[module] = {"group_size": _GROUP_SIZE, "bits": 8}
+            quant[module] = {"group_size": repack.GROUP_SIZE, "bits": 8}
         if w.dtype != mx.uint32:
             w = w.astype(mx.float32)
             if arch == "gemma3" and gguf_name.endswith("norm.weight"):
                 w = w - 1.0
         weights[name] = w
+        # now, so that this tensor's fp32 copy (dequantized, before requantizing) is freed
+        # before the next one is read: the load's peak stays near the model's own size
+        mx.eval(w, weights.get(f"{module}.scales"), weights.get(f"{module}.biases"))
+    del gguf_file
 
     model_module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = model_module.Model(model_module.ModelArgs.from_dict(config))

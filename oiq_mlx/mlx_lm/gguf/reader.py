@@ -130,12 +130,17 @@ class GGUFFile:
             raise GGUFError(f"tensor {name!r}: rows of {shape[-1]} are not whole {kind} blocks of {block}")
         return math.prod(shape) // block * type_size
 
+    def raw(self, name) -> np.ndarray:
+        """The bytes of tensor ``name`` (uint8, a view of the memory-mapped file)."""
+        offset = self.tensors[name][2]
+        return self._data[offset : offset + self.nbytes(name)]
+
     def dequantized(self, name) -> np.ndarray:
         """Tensor ``name`` as fp32 numpy (numpy shape order), via the gguf package."""
-        kind, shape, offset = self.tensors[name]
+        kind, shape, _ = self.tensors[name]
         qtype = GGMLQuantizationType[kind]
         block, type_size = GGML_QUANT_SIZES[qtype]
-        raw = self._data[offset : offset + self.nbytes(name)]
+        raw = self.raw(name)
         if kind in ("F32", "F16"):
             return raw.view(np.float32 if kind == "F32" else np.float16).astype(np.float32).reshape(shape)
         row_bytes = shape[-1] // block * type_size
