@@ -1,5 +1,5 @@
-"""GGUF legacy quants as MLX affine arrays (``oiq_mlx.mlx_lm.gguf.repack``): the same values as
-the gguf package's dequantizer, bit for bit."""
+"""GGUF quants that are affine per 32 values (the legacy types, Q4_K, Q5_K) as MLX affine arrays
+(``oiq_mlx.mlx_lm.gguf.repack``): the same values as the gguf package's dequantizer, bit for bit."""
 
 import oiq_mlx  # noqa: F401  (preloads OpenBLAS before mlx is imported)
 
@@ -35,3 +35,25 @@ def test_a_minimum_past_float16_is_refused():
     block[2:] = np.arange(32, dtype=np.int8).view(np.uint8)
     assert repack.affine(block, "Q8_0", (1, 32)) is None
     assert quants.dequantize(block[None], GGMLQuantizationType.Q8_0)[0, 31] == 31 * 1024  # what a fallback reads
+
+
+def _k_blocks(kind, n, rng):
+    """``n`` random K-quant super-blocks: random code, scale and fifth-bit bytes (every pattern is
+    valid), finite float16 ``d`` and ``dmin`` of mixed magnitudes."""
+    size = {"Q4_K": 144, "Q5_K": 176}[kind]
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    halves = (rng.standard_normal((n, 2)) * 10.0 ** rng.integers(-4, 1, (n, 1))).astype(np.float16)
+    blocks[:, :4] = halves.view(np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+@pytest.mark.parametrize("shape", [(2, 256), (3, 2, 512)])
+def test_k_quants_dequantize_to_the_files_values(kind, shape):
+    rng = np.random.default_rng(len(shape))
+    blocks = _k_blocks(kind, int(np.prod(shape)) // 256, rng)
+    want = quants.dequantize(blocks, GGMLQuantizationType[kind]).reshape(shape)
+    w, scales, biases, bits = repack.affine(blocks.reshape(-1), kind, shape)
+    assert bits == int(kind[1]) and w.shape == (*shape[:-1], shape[-1] * bits // 32)
+    got = np.array(mx.dequantize(w, scales, biases, group_size=32, bits=bits))
+    assert np.array_equal(got, want)

@@ -115,12 +115,13 @@ def _weights_via_mx_load(path):
 
 def _tensors(gguf_file, quantized: bool):
     """``(gguf name, (weight, scales, biases, bits))`` for each tensor, read when the loop asks for
-    it: with ``quantized``, legacy quants as MLX affine arrays, exactly (``repack.affine``); every
-    other tensor dequantized to fp32 by the gguf package (scales, biases and bits None).  One
-    tensor at a time, so that a K-quant file never stands in memory in fp32 as a whole."""
+    it: with ``quantized``, the types affine per 32 values as MLX affine arrays, exactly
+    (``repack.affine``); every other tensor dequantized to fp32 by the gguf package (scales,
+    biases and bits None).  One tensor at a time, so that a K-quant file never stands in memory
+    in fp32 as a whole."""
     for name, (kind, shape, _) in gguf_file.tensors.items():
-        legacy = quantized and kind in repack.LEGACY_TYPES
-        packed = repack.affine(gguf_file.raw(name), kind, shape) if legacy else None
+        affine = quantized and kind in repack.AFFINE_TYPES
+        packed = repack.affine(gguf_file.raw(name), kind, shape) if affine else None
         yield name, packed or (mx.array(gguf_file.dequantized(name)), None, None, None)
 
 
@@ -223,9 +224,9 @@ def load_gguf(path, *, dequantize: bool | None = None):
     Args:
         path: a ``.gguf`` file of an architecture in ``SUPPORTED_ARCHITECTURES``.
         dequantize: ``True`` -> dense fp32 weights; ``False`` -> mlx
-            ``QuantizedLinear``/``QuantizedEmbedding`` (group 32; GGUF legacy
-            quants Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 kept as they are, at their own
-            bits, other quantized types such as K-quants dequantized and
+            ``QuantizedLinear``/``QuantizedEmbedding`` (group 32; Q4_0, Q4_1,
+            Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors kept as they are, at their
+            own bits, other quantized types such as Q6_K dequantized and
             re-quantized to 8 bits, float tensors kept float);
             ``None`` -> ``False`` when Metal is available, else ``True``
             (quantized matmuls are ~10x slower on the CPU backend).
@@ -280,12 +281,12 @@ def load_gguf(path, *, dequantize: bool | None = None):
         if scales is not None and dequantize:  # from mx.load
             w = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
                               group_size=repack.GROUP_SIZE, bits=bits)
-        elif scales is not None:  # a legacy quant, kept as it is
+        elif scales is not None:  # kept as it is (repack.affine or mx.load)
             weights[f"{module}.scales"] = scales
             weights[f"{module}.biases"] = biases
             quant[module] = {"group_size": repack.GROUP_SIZE, "bits": int(bits)}
         elif not dequantize and tensor_types[gguf_name] not in _FLOAT_TYPES:
-            # K-quants (read via numpy) have no mlx layout; 8 bits adds little error.
+            # Q6_K (groups of 16) and the smaller K-quants have no MLX layout; 8 bits adds little error.
             w, s, b = mx.quantize(w.astype(mx.float32), group_size=repack.GROUP_SIZE, bits=8)
             weights[f"{module}.scales"], weights[f"{module}.biases"] = s, b
             quant[module] = {"group_size": repack.GROUP_SIZE, "bits": 8}

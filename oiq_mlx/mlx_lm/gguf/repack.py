@@ -1,14 +1,19 @@
-"""GGUF's legacy quantized tensors (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) as MLX affine arrays, exactly.
+"""GGUF's quantized tensors that are affine per 32 values, as MLX affine arrays, exactly.
 
-Each legacy block holds 32 values: a float16 scale ``d``, for the ``_1`` types a float16 minimum
-``m``, and unsigned codes ``q`` of 4, 5 or 8 bits (Q8_0 stores signed bytes, ``q + 128`` here).
-A value is ``d * q + m``, where the ``_0`` types' minimum is ``-d * 2^(bits - 1)``.  That is MLX's
-affine quantization with group 32 (``w = scale * q + bias``), so :func:`affine` moves the codes
-into MLX's packing and keeps ``d`` and ``m`` as the scales and biases: no value changes, and the
-tensor keeps its own bits (a Q5_0 tensor stays 5 bits).  ``mx.load`` does the same for Q4_0, Q4_1
-and Q8_0, but refuses a whole file that holds any other type (every K-quant file does); this
-serves such files one tensor at a time.  ``mx.dequantize`` of the result equals the ``gguf``
-package's dequantization bit for bit (``tests/mlx_lm/test_gguf_repack.py``).
+The legacy types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) store blocks of 32 values: a float16 scale ``d``,
+for the ``_1`` types a float16 minimum ``m``, and unsigned codes ``q`` of 4, 5 or 8 bits (Q8_0
+stores signed bytes, ``q + 128`` here).  A value is ``d * q + m``, where the ``_0`` types' minimum
+is ``-d * 2^(bits - 1)``.  Q4_K and Q5_K store super-blocks of 256 values: eight groups of 32, each
+with a 6-bit scale and a 6-bit minimum multiplied by the super-block's float16 ``d`` and ``dmin``; a
+value is ``d * sc * q - dmin * mn``.  Both are MLX's affine quantization with group 32
+(``w = scale * q + bias``), so :func:`affine` moves the codes into MLX's packing and keeps the
+scales and minimums (products of a float16 and a 6-bit integer: exact in float32): no value
+changes, and the tensor keeps its own bits (a Q5_0 tensor stays 5 bits, a Q4_K one 4).
+``mx.load`` does the same for Q4_0, Q4_1 and Q8_0, but refuses a whole file that holds any other
+type (every K-quant file does); this serves such files one tensor at a time.  ``mx.dequantize`` of
+the result equals the ``gguf`` package's dequantization bit for bit
+(``tests/mlx_lm/test_gguf_repack.py``).  Q6_K (groups of 16) and the smaller K-quants are not
+affine per 32: the loader dequantizes them.
 """
 
 from __future__ import annotations
@@ -19,7 +24,10 @@ import numpy as np
 # type: (bits, bytes per block of 32, whether the block stores its minimum)
 _LAYOUT = {"Q4_0": (4, 18, False), "Q4_1": (4, 20, True), "Q5_0": (5, 22, False), "Q5_1": (5, 24, True),
            "Q8_0": (8, 34, False)}
-LEGACY_TYPES = frozenset(_LAYOUT)
+# K-quants: (bits, bytes per super-block of 256): d, dmin (float16), 12 bytes of 6-bit scales and
+# minimums, Q5_K's 32 bytes of fifth bits, then the low nibbles
+_K_LAYOUT = {"Q4_K": (4, 144), "Q5_K": (5, 176)}
+AFFINE_TYPES = frozenset(_LAYOUT) | frozenset(_K_LAYOUT)
 GROUP_SIZE = 32
 
 
@@ -56,11 +64,42 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     return np.ascontiguousarray(five).reshape(*lead, d * 5 // 8).view("<u4")
 
 
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The eight 6-bit scales and minimums ``(blocks, 8)`` of a K-quant super-block's 12 bytes:
+    bytes 0-3 hold scales 0-3 in their low 6 bits, bytes 4-7 minimums 0-3; scales and minimums
+    4-7 take their low 4 bits from bytes 8-11 (low and high nibble) and their top 2 bits from the
+    top bits of bytes 0-3 (scales) and 4-7 (minimums)."""
+    lo, mid, top = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = np.concatenate([lo & 0x3F, (top & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    mins = np.concatenate([mid & 0x3F, (top >> 4) | ((mid >> 6) << 4)], axis=1)
+    return scales, mins
+
+
+def _k_affine(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
+    bits, size = _K_LAYOUT[kind]
+    blocks = raw.reshape(-1, size)
+    n = len(blocks)
+    sc, mn = _k_scales(blocks[:, 4:16])
+    scales = _half(blocks, 0).astype(np.float32)[:, None] * sc.astype(np.float32)
+    biases = -(_half(blocks, 2).astype(np.float32)[:, None] * mn.astype(np.float32))
+    # each 32 bytes of nibbles hold two groups: the low nibbles the first, the high the second
+    qs = blocks[:, size - 128 :].reshape(n, 4, 1, 32)
+    q = ((qs >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(n, 8, 32)
+    if bits == 5:  # group g's fifth bits: bit g of each of the 32 bytes
+        qh = blocks[:, 16:48].reshape(n, 1, 32)
+        q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1) << 4)
+    groups = (*shape[:-1], shape[-1] // GROUP_SIZE)
+    return (mx.array(_pack(q.reshape(*shape), bits)), mx.array(scales.reshape(groups)),
+            mx.array(biases.reshape(groups)), bits)
+
+
 def affine(raw: np.ndarray, kind: str, shape: tuple) -> tuple | None:
-    """``(weight uint32, scales float32, biases float32, bits)`` of a legacy tensor, MLX affine
-    with group 32, from its bytes ``raw`` (uint8) and numpy ``shape``; None when a ``_0`` type's
+    """``(weight uint32, scales float32, biases float32, bits)`` of a tensor of ``AFFINE_TYPES``,
+    MLX affine with group 32, from its bytes ``raw`` (uint8) and numpy ``shape``; None when a ``_0`` type's
     minimum ``-d * 2^(bits - 1)`` overflows float16 (a scale past 511 for Q8_0: then the caller
     dequantizes the tensor instead)."""
+    if kind in _K_LAYOUT:
+        return _k_affine(raw, kind, shape)
     bits, size, has_min = _LAYOUT[kind]
     blocks = raw.reshape(-1, size)
     d = _half(blocks, 0)
