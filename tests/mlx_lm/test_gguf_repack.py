@@ -28,13 +28,15 @@ def test_affine_arrays_dequantize_to_the_files_values(kind, shape):
     assert np.array_equal(got, want)
 
 
-def test_a_minimum_past_float16_is_refused():
-    # one Q8_0 block with scale 1024: its implicit minimum -128 * 1024 is no float16
+def test_a_minimum_past_float16_stays_exact():
+    # one Q8_0 block with scale 1024: its implicit minimum -128 * 1024 is past float16's range
     block = np.zeros(34, np.uint8)
     block[:2] = np.array([1024.0], np.float16).view(np.uint8)
-    block[2:] = np.arange(32, dtype=np.int8).view(np.uint8)
-    assert repack.affine(block, "Q8_0", (1, 32)) is None
-    assert quants.dequantize(block[None], GGMLQuantizationType.Q8_0)[0, 31] == 31 * 1024  # what a fallback reads
+    block[2:] = np.arange(-16, 16, dtype=np.int8).view(np.uint8)
+    w, scales, biases, bits = repack.affine(block, "Q8_0", (1, 32))
+    got = np.array(mx.dequantize(w, scales, biases, group_size=32, bits=bits))
+    assert np.array_equal(got, quants.dequantize(block[None], GGMLQuantizationType.Q8_0))
+    assert got[0, -1] == 15 * 1024
 
 
 def _k_blocks(kind, n, rng):

@@ -120,9 +120,10 @@ def _tensors(gguf_file, quantized: bool):
     biases and bits None).  One tensor at a time, so that a K-quant file never stands in memory
     in fp32 as a whole."""
     for name, (kind, shape, _) in gguf_file.tensors.items():
-        affine = quantized and kind in repack.AFFINE_TYPES
-        packed = repack.affine(gguf_file.raw(name), kind, shape) if affine else None
-        yield name, packed or (mx.array(gguf_file.dequantized(name)), None, None, None)
+        if quantized and kind in repack.AFFINE_TYPES:
+            yield name, repack.affine(gguf_file.raw(name), kind, shape)
+        else:
+            yield name, (mx.array(gguf_file.dequantized(name)), None, None, None)
 
 
 # ---------------------------------------------------------------- model args

@@ -58,10 +58,15 @@ def _pack(q: np.ndarray, bits: int) -> np.ndarray:
         return np.ascontiguousarray(q).view("<u4")
     if bits == 4:
         return np.ascontiguousarray(q[..., 0::2] | (q[..., 1::2] << 4)).view("<u4")
-    # 5 bits: 8 codes fill 5 bytes
-    eight = q.reshape(-1, 8).astype(np.uint64) << (np.arange(8, dtype=np.uint64) * 5)
-    five = np.bitwise_or.reduce(eight, axis=1).view(np.uint8).reshape(-1, 8)[:, :5]
-    return np.ascontiguousarray(five).reshape(*lead, d * 5 // 8).view("<u4")
+    # 5 bits: 8 codes fill 5 bytes (uint8 arithmetic drops the bits that go to the next byte)
+    c = q.reshape(-1, 8).T
+    five = np.empty((len(c[0]), 5), np.uint8)
+    five[:, 0] = c[0] | (c[1] << 5)
+    five[:, 1] = (c[1] >> 3) | (c[2] << 2) | (c[3] << 7)
+    five[:, 2] = (c[3] >> 1) | (c[4] << 4)
+    five[:, 3] = (c[4] >> 4) | (c[5] << 1) | (c[6] << 6)
+    five[:, 4] = (c[6] >> 2) | (c[7] << 3)
+    return five.reshape(*lead, d * 5 // 8).view("<u4")
 
 
 def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -93,27 +98,19 @@ def _k_affine(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
             mx.array(biases.reshape(groups)), bits)
 
 
-def affine(raw: np.ndarray, kind: str, shape: tuple) -> tuple | None:
+def affine(raw: np.ndarray, kind: str, shape: tuple) -> tuple:
     """``(weight uint32, scales float32, biases float32, bits)`` of a tensor of ``AFFINE_TYPES``,
-    MLX affine with group 32, from its bytes ``raw`` (uint8) and numpy ``shape``; None when a ``_0`` type's
-    minimum ``-d * 2^(bits - 1)`` overflows float16 (a scale past 511 for Q8_0: then the caller
-    dequantizes the tensor instead)."""
+    MLX affine with group 32, from its bytes ``raw`` (uint8) and numpy ``shape``."""
     if kind in _K_LAYOUT:
         return _k_affine(raw, kind, shape)
     bits, size, has_min = _LAYOUT[kind]
     blocks = raw.reshape(-1, size)
-    d = _half(blocks, 0)
-    if has_min:
-        bias = _half(blocks, 2)
-    else:
-        with np.errstate(over="ignore"):
-            bias = (d.astype(np.float32) * -(1 << (bits - 1))).astype(np.float16)  # exact: a power of two
-        if not np.isfinite(bias[np.isfinite(d)]).all():
-            return None
+    scales = _half(blocks, 0).astype(np.float32)
+    # the _0 types' minimum, -d * 2^(bits - 1): exact in float32 (a power of two times a float16)
+    biases = _half(blocks, 2).astype(np.float32) if has_min else scales * -(1 << (bits - 1))
     q = _codes(blocks, kind, 4 if has_min else 2).reshape(*shape)
-    groups = (*shape[:-1], shape[-1] // GROUP_SIZE)
     # float32 (exact): a quantized layer computes in its scales' dtype, and this loader's other
     # tensors are float32 too; with float16 scales Gemma 3's quantized embedding would put its
     # residual stream in float16, which moved its logits by a tenth of their range
-    scales, biases = (mx.array(a.reshape(groups).astype(np.float32)) for a in (d, bias))
-    return mx.array(_pack(q, bits)), scales, biases, bits
+    groups = (*shape[:-1], shape[-1] // GROUP_SIZE)
+    return mx.array(_pack(q, bits)), mx.array(scales.reshape(groups)), mx.array(biases.reshape(groups)), bits
