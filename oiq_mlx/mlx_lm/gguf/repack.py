@@ -39,7 +39,7 @@ def _half(blocks: np.ndarray, at: int) -> np.ndarray:
 def _codes(blocks: np.ndarray, kind: str, at: int) -> np.ndarray:
     """``(blocks, 32)`` unsigned codes; ``at``: where the block's code bytes start."""
     if kind == "Q8_0":
-        return (blocks[:, at:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return blocks[:, at:] ^ np.uint8(0x80)  # a signed byte plus 128 is its sign bit flipped
     high = None
     if kind in ("Q5_0", "Q5_1"):  # the fifth bit of value j is bit j of a little-endian uint32
         qh = np.ascontiguousarray(blocks[:, at : at + 4]).view("<u4")[:, 0]
