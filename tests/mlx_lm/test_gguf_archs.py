@@ -300,26 +300,8 @@ def test_quantized_weights_load_for_new_archs(tmp_path):
     """Q8_0 tensors (read by mx.load) keep their layout for qwen2's biased projections."""
     model, args = _random_model("qwen2", 267)
     path = tmp_path / "q8.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    for key, value in (("context_length", 4096), ("embedding_length", 64), ("block_count", 2),
-                       ("feed_forward_length", 96), ("attention.head_count", 4), ("attention.head_count_kv", 2)):
-        writer.add_uint32(f"qwen2.{key}", value)
-    writer.add_float32("qwen2.attention.layer_norm_rms_epsilon", 1e-5)
-    writer.add_float32("qwen2.rope.freq_base", 10000.0)
-    _bpe_vocab(writer, "qwen2")
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, 2)
-    for hf_name, value in tree_flatten(model.parameters()):
-        w = np.array(value, dtype=np.float32)
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if w.ndim == 2:
-            q = gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, q, raw_shape=q.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, w)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "qwen2"),
+               quant=lambda hf_name, w: "Q8_0" if w.ndim == 2 else None)
     dense, _ = models.load(path, dequantize=True)
     quant, _ = models.load(path, dequantize=False)
     tokens = mx.array([[5, 17, 200, 3, 42]])
