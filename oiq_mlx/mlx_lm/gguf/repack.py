@@ -52,7 +52,10 @@ def _codes(blocks: np.ndarray, kind: str, at: int) -> np.ndarray:
 
 def _pack(q: np.ndarray, bits: int) -> np.ndarray:
     """MLX's packing of codes ``(..., d)``: value ``i`` in bits ``[i * bits, (i + 1) * bits)`` of
-    the little-endian bit stream of the uint32 words ``(..., d * bits / 32)``."""
+    the little-endian bit stream of the uint32 words ``(..., d * bits / 32)``.  The layout of
+    ``core.codec.pack_codes``, in numpy bytes: that one holds ``bits`` uint32 per code while it
+    packs (5 GB for Gemma 3's 168M-value embedding), which a load that peaks at its model's own
+    size cannot afford."""
     lead, d = q.shape[:-1], q.shape[-1]
     if bits == 8:
         return np.ascontiguousarray(q).view("<u4")
