@@ -113,7 +113,9 @@ def load(path_or_repo, *, dequantize: bool | None = None):
 
     Returns:
         ``(model, tokenizer)``; the tokenizer is an
-        ``mlx_lm.tokenizer_utils.TokenizerWrapper``.
+        ``mlx_lm.tokenizer_utils.TokenizerWrapper``. A GGUF's tokenizer, rebuilt
+        from the file's metadata, is kept in ``cache_dir() / "tokenizers"`` for the
+        next load (Gemma 3's 262k-token vocabulary takes seconds to rebuild).
 
     Raises:
         FileNotFoundError, ValueError: as :func:`resolve_model`, for a name that
@@ -125,7 +127,7 @@ def load(path_or_repo, *, dequantize: bool | None = None):
         # imported here: gguf/tokenizer.py imports transformers (seconds), which only GGUF loading needs
         from .gguf import load_gguf
 
-        return load_gguf(path, dequantize=dequantize)
+        return load_gguf(path, dequantize=dequantize, tokenizer_cache=cache_dir() / "tokenizers")
     if dequantize is not None:
         raise ValueError("dequantize= applies to .gguf files only")
     return mlx_lm.load(str(path_or_repo))
@@ -170,7 +172,7 @@ def demo_model_path(install: bool = True) -> Path:
 
 
 def cache_dir() -> Path:
-    """Where assembled model files go: $OIQ_MLX_CACHE or ~/.cache/oiq_mlx."""
+    """Where assembled model files and GGUF tokenizers go: $OIQ_MLX_CACHE or ~/.cache/oiq_mlx."""
     return Path(os.environ.get("OIQ_MLX_CACHE", Path.home() / ".cache" / "oiq_mlx"))
 
 

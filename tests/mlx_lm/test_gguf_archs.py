@@ -20,7 +20,8 @@ import pytest
 from mlx.utils import tree_flatten, tree_map
 
 from oiq_mlx.mlx_lm import models
-from oiq_mlx.mlx_lm.gguf import GGUFError
+from oiq_mlx.mlx_lm.gguf import GGUFError, GGUFFile, build_tokenizer
+from oiq_mlx.mlx_lm.gguf import tokenizer as gguf_tokenizer
 
 # ---------------------------------------------------------------- reference: a llama.cpp-style writer
 
@@ -294,6 +295,80 @@ def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
     write_gguf(path, model, args, "qwen2", lambda w: _bpe_vocab(w, "deepseek-coder"))
     with pytest.raises(GGUFError, match="pre-tokenizer 'deepseek-coder'"):
         models.load(path)
+
+
+# ---------------------------------------------------------------- tokenizer cache
+
+
+def _vocab_only_meta(path, vocab):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    vocab(writer)
+    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(path).metadata
+
+
+def _same_tokenizer(got, want, text):
+    assert got._tokenizer.backend_tokenizer.to_str() == want._tokenizer.backend_tokenizer.to_str()
+    assert got.encode(text) == want.encode(text)
+    assert got.decode(got.encode(text)) == want.decode(want.encode(text))
+    assert got.eos_token_ids == want.eos_token_ids
+    assert (got.bos_token, got.eos_token, got.unk_token, got.pad_token) == \
+        (want.bos_token, want.eos_token, want.unk_token, want.pad_token)
+    assert got.chat_template == want.chat_template
+
+
+@pytest.mark.parametrize("vocab", [_spm_vocab, lambda w: _bpe_vocab(w, "qwen2")], ids=["spm", "bpe"])
+def test_tokenizer_cache_gives_the_same_tokenizer(tmp_path, monkeypatch, vocab):
+    meta = _vocab_only_meta(tmp_path / "tok.gguf", vocab)
+    text = "the cat sat\n on the mat: hello world 12 ünï 🙂 [INST] <|im_end|>"
+    fresh = build_tokenizer(meta)
+    cache = tmp_path / "cache"
+    first = build_tokenizer(meta, cache=cache)
+    (saved,) = cache.iterdir()
+    assert saved.name.startswith(gguf_tokenizer.cache_key(meta) + "-")
+    _same_tokenizer(first, fresh, text)
+
+    def no_rebuild(*args, **kwargs):
+        raise AssertionError("rebuilt although the cache holds this tokenizer")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_tokenizer, "_backend", no_rebuild)
+        _same_tokenizer(build_tokenizer(meta, cache=cache), fresh, text)
+
+    # a file whose content is not what its name says (truncated, or edited to another
+    # vocabulary) is rebuilt and replaced
+    good = saved.read_text()
+    other = build_tokenizer(_vocab_only_meta(tmp_path / "other.gguf", (lambda w: _bpe_vocab(w, "qwen2")) if vocab is _spm_vocab else _spm_vocab))
+    for bad in (good[: len(good) // 2], other._tokenizer.backend_tokenizer.to_str()):
+        saved.write_text(bad)
+        _same_tokenizer(build_tokenizer(meta, cache=cache), fresh, text)
+        assert [p.read_text() for p in cache.iterdir()] == [good]
+
+    # a directory that cannot be made: nothing cached, the same tokenizer
+    (tmp_path / "a_file").write_text("")
+    _same_tokenizer(build_tokenizer(meta, cache=tmp_path / "a_file" / "cache"), fresh, text)
+
+
+def test_tokenizer_cache_key_follows_the_metadata(tmp_path):
+    meta = _vocab_only_meta(tmp_path / "tok.gguf", _spm_vocab)
+    key = gguf_tokenizer.cache_key(meta)
+    assert gguf_tokenizer.cache_key(dict(meta)) == key
+    changed = dict(meta)
+    changed["tokenizer.ggml.scores"] = np.asarray(meta["tokenizer.ggml.scores"]).copy()
+    changed["tokenizer.ggml.scores"][-2] += 1
+    assert gguf_tokenizer.cache_key(changed) != key
+    # a nested array (no tokenizer has one; a hostile file may) still has a key
+    assert gguf_tokenizer.cache_key({**meta, "tokenizer.ggml.odd": [np.arange(3), ["a"]]}) != key
+    for name, value in (("tokenizer.ggml.add_bos_token", False), ("tokenizer.ggml.tokens",
+                        meta["tokenizer.ggml.tokens"][:-1] + ["[INST2]"])):
+        assert gguf_tokenizer.cache_key({**meta, name: value}) != key
+    # what the backend does not read (the chat template, the architecture) keeps the key
+    assert gguf_tokenizer.cache_key({**meta, "tokenizer.chat_template": "x", "general.architecture": "qwen2"}) == key
 
 
 def test_quantized_weights_load_for_new_archs(tmp_path):

@@ -139,8 +139,11 @@ def test_load_takes_the_same_names(monkeypatch, tmp_path):
 
     gguf_path = write_tiny_gguf(tmp_path / "m.gguf")
     monkeypatch.setattr(models, "demo_model_path", lambda install=True: gguf_path)
-    monkeypatch.setattr(gguf, "load_gguf", lambda path, dequantize=None: ("loaded", Path(path)))
-    assert oiq_mlx.load("demo") == ("loaded", gguf_path)
+    monkeypatch.setattr(gguf, "load_gguf", lambda path, dequantize=None, tokenizer_cache=None:
+                        ("loaded", Path(path), tokenizer_cache))
+    monkeypatch.setenv("OIQ_MLX_CACHE", str(tmp_path / "cache"))
+    # the GGUF's tokenizer is kept where the assembled model files go
+    assert oiq_mlx.load("demo") == ("loaded", gguf_path, tmp_path / "cache" / "tokenizers")
 
 
 def test_dequantize_only_for_gguf():

@@ -219,7 +219,7 @@ def _model_config(meta, arch, tensor_names, vocab_size, rope_factors):
 # ---------------------------------------------------------------- load
 
 
-def load_gguf(path, *, dequantize: bool | None = None):
+def load_gguf(path, *, dequantize: bool | None = None, tokenizer_cache=None):
     """Load a GGUF file into an mlx-lm model and tokenizer, offline.
 
     Args:
@@ -231,6 +231,9 @@ def load_gguf(path, *, dequantize: bool | None = None):
             re-quantized to 8 bits, float tensors kept float);
             ``None`` -> ``False`` when Metal is available, else ``True``
             (quantized matmuls are ~10x slower on the CPU backend).
+        tokenizer_cache: a directory where the rebuilt tokenizer is kept between loads
+            (:func:`~oiq_mlx.mlx_lm.gguf.tokenizer.build_tokenizer`); ``None``: rebuilt
+            every time. ``oiq_mlx.load`` passes ``cache_dir() / "tokenizers"``.
 
     Returns:
         ``(model, tokenizer)``: an ``mlx_lm.models.<arch>.Model`` in eval mode
@@ -251,7 +254,7 @@ def load_gguf(path, *, dequantize: bool | None = None):
         )
     if dequantize is None:
         dequantize = not metal_available()
-    tokenizer = build_tokenizer(meta)
+    tokenizer = build_tokenizer(meta, cache=tokenizer_cache)
 
     tensor_types = {name: info[0] for name, info in gguf_file.tensors.items()}
     tensor_names = {n.removesuffix(".weight") for n in tensor_types} | set(tensor_types)

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import warnings
+from pathlib import Path
 
 import numpy as np
+import tokenizers
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, TokenizerWrapper
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
@@ -110,7 +115,125 @@ def _chat_template(meta: dict):
     return template
 
 
-def build_tokenizer(meta: dict):
+def _backend(meta: dict, kind: str, pre, vocab: dict, token_types: list, specials, flags) -> Tokenizer:
+    """The ``tokenizers`` backend of :func:`build_tokenizer` (``kind`` checked there)."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    (bos, eos, unk), (add_bos, add_eos, add_space_prefix) = specials, flags
+    if kind == "gpt2":
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        backend = Tokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
+        )
+        backend.pre_tokenizer = _bpe_pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+    else:
+        merges = meta.get("tokenizer.ggml.merges")
+        if merges:
+            merges = [tuple(m.split(" ", 1)) for m in merges]
+        else:
+            merges = _spm_merges(tokens, np.asarray(meta["tokenizer.ggml.scores"]).tolist(), token_types)
+        backend = Tokenizer(
+            models.BPE(
+                vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True
+            )
+        )
+        norm = [normalizers.Replace(" ", "▁")]
+        if add_space_prefix:
+            norm.insert(0, normalizers.Prepend("▁"))
+        backend.normalizer = normalizers.Sequence(norm)
+        dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if add_space_prefix:
+            dec.append(decoders.Strip(content=" ", left=1))
+        backend.decoder = decoders.Sequence(dec)
+
+    # Control tokens are special (never produced from plain text by BPE, skipped
+    # on decode with skip_special_tokens); user-defined ones are matched verbatim.
+    added = [
+        AddedToken(t, special=token_types[i] == _TOKEN_CONTROL, normalized=False)
+        for i, t in enumerate(tokens)
+        if token_types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
+    ]
+    backend.add_tokens(added)
+
+    single, special = "$A", []
+    if add_bos and bos is not None:
+        single = f"{bos} {single}"
+        special.append((bos, vocab[bos]))
+    if add_eos and eos is not None:
+        single = f"{single} {eos}"
+        special.append((eos, vocab[eos]))
+    if special:
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=f"{single} $B:1", special_tokens=special
+        )
+    return backend
+
+
+# Part of every cache key: bump it when the backend built from the same metadata changes.
+_CACHE_FORMAT = 1
+
+
+def _json_array(a):
+    if isinstance(a, np.ndarray):
+        return [a.dtype.str, a.tolist()]
+    raise TypeError(f"GGUF metadata value of type {type(a).__name__}")
+
+
+def cache_key(meta: dict) -> str:
+    """sha256 of what the tokenizer backend is built from: every ``tokenizer.ggml.*`` entry, the
+    cache format and the ``tokenizers`` version (a new version rewrites the file it reads)."""
+    digest = hashlib.sha256(f"oiq_mlx tokenizer {_CACHE_FORMAT} tokenizers {tokenizers.__version__}".encode())
+    for key in sorted(k for k in meta if k.startswith("tokenizer.ggml.")):
+        value = meta[key]
+        if isinstance(value, np.ndarray):
+            part = f"{key} {value.dtype.str}{value.shape}".encode() + np.ascontiguousarray(value).tobytes()
+        else:  # str, int, float, bool, or a list of them (or of arrays): JSON tells them apart
+            part = f"{key} ".encode() + json.dumps(value, default=_json_array).encode()
+        digest.update(len(part).to_bytes(8, "little") + part)
+    return digest.hexdigest()
+
+
+def _content_tag(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _read_cached(cache: Path, key: str, hf_args: dict):
+    """The tokenizer saved under ``key`` (``<key>-<sha256 of the file, 16 digits>.json``),
+    or None where there is none whose content matches its name."""
+    for path in sorted(cache.glob(f"{key}-*.json")):
+        try:
+            if _content_tag(path.read_bytes()) != path.stem.rpartition("-")[2]:
+                continue
+            return PreTrainedTokenizerFast(tokenizer_file=str(path), **hf_args)
+        except Exception:  # unreadable, or the tokenizers library refused it (plain Exceptions)
+            continue
+    return None
+
+
+def _write_cached(cache: Path, key: str, text: str) -> Path | None:
+    """Save ``text`` as the tokenizer of ``key`` through a temporary file, removing older files
+    of that key; None (nothing written) where the directory cannot be written: the cache only
+    saves time."""
+    data = text.encode("utf-8")
+    path = cache / f"{key}-{_content_tag(data)}.json"
+    partial = cache / f"{path.name}.{os.getpid()}.partial"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    except OSError:
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:  # the directory is not there, or not a directory
+            pass
+        return None
+    for old in cache.glob(f"{key}-*.json"):
+        if old != path:
+            old.unlink(missing_ok=True)
+    return path
+
+
+def build_tokenizer(meta: dict, cache: str | Path | None = None):
     """Rebuild the tokenizer of a GGUF from its metadata.
 
     Returns an ``mlx_lm.tokenizer_utils.TokenizerWrapper`` around a
@@ -121,6 +244,12 @@ def build_tokenizer(meta: dict):
     The chat template is ``tokenizer.chat_template`` (Gemma's turn format for a
     gemma3 file without one); generation stops at the EOS token and at the
     end-of-turn control tokens llama.cpp also stops at.
+
+    With ``cache`` (a directory), the backend is saved there in the ``tokenizers`` format,
+    named by :func:`cache_key` and the file's own sha256, and read from there by later calls
+    with the same metadata: a 262k-token SentencePiece vocabulary (Gemma 3) takes seconds to
+    rebuild.  A file whose content does not match its name, or that does not parse, is
+    rebuilt and replaced; a directory that cannot be written is skipped.
     """
     kind = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -150,71 +279,30 @@ def build_tokenizer(meta: dict):
     add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", kind == "llama"))
 
     if kind == "gpt2":
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-        backend = Tokenizer(
-            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=pre in _IGNORE_MERGES)
-        )
-        backend.pre_tokenizer = _bpe_pre_tokenizer(pre)
-        backend.decoder = decoders.ByteLevel()
         detokenizer_class = BPEStreamingDetokenizer
     elif kind == "llama":
-        scores = meta.get("tokenizer.ggml.scores")
-        if scores is None:
+        if meta.get("tokenizer.ggml.scores") is None:
             raise GGUFError("SPM ('llama') tokenizer without tokenizer.ggml.scores")
-        merges = meta.get("tokenizer.ggml.merges")
-        if merges:
-            merges = [tuple(m.split(" ", 1)) for m in merges]
-        else:
-            merges = _spm_merges(tokens, np.asarray(scores).tolist(), token_types)
-        backend = Tokenizer(
-            models.BPE(
-                vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True
-            )
-        )
-        norm = [normalizers.Replace(" ", "▁")]
-        if add_space_prefix:
-            norm.insert(0, normalizers.Prepend("▁"))
-        backend.normalizer = normalizers.Sequence(norm)
-        dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if add_space_prefix:
-            dec.append(decoders.Strip(content=" ", left=1))
-        backend.decoder = decoders.Sequence(dec)
         detokenizer_class = lambda tok: SPMStreamingDetokenizer(  # noqa: E731
             tok, trim_space=add_space_prefix
         )
     else:
         raise GGUFError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
 
-    # Control tokens are special (never produced from plain text by BPE, skipped
-    # on decode with skip_special_tokens); user-defined ones are matched verbatim.
-    added = [
-        AddedToken(t, special=token_types[i] == _TOKEN_CONTROL, normalized=False)
-        for i, t in enumerate(tokens)
-        if token_types[i] in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
-    ]
-    backend.add_tokens(added)
-
-    single, special = "$A", []
-    if add_bos and bos is not None:
-        single = f"{bos} {single}"
-        special.append((bos, vocab[bos]))
-    if add_eos and eos is not None:
-        single = f"{single} {eos}"
-        special.append((eos, vocab[eos]))
-    if special:
-        backend.post_processor = processors.TemplateProcessing(
-            single=single, pair=f"{single} $B:1", special_tokens=special
-        )
-
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=bos,
-        eos_token=eos,
-        unk_token=unk,
-        pad_token=pad,
-        chat_template=_chat_template(meta),
-        clean_up_tokenization_spaces=False,
-    )
+    hf_args = dict(bos_token=bos, eos_token=eos, unk_token=unk, pad_token=pad,
+                   chat_template=_chat_template(meta), clean_up_tokenization_spaces=False)
+    hf = None
+    if cache is not None:
+        cache, key = Path(cache), cache_key(meta)
+        hf = _read_cached(cache, key, hf_args)
+    if hf is None:
+        backend = _backend(meta, kind, pre, vocab, token_types, (bos, eos, unk), (add_bos, add_eos, add_space_prefix))
+        if cache is not None and _write_cached(cache, key, backend.to_str()) is not None:
+            # read back as later loads read it (transformers deep-copies a tokenizer object,
+            # not a file); None if another process replaced it meanwhile
+            hf = _read_cached(cache, key, hf_args)
+        if hf is None:
+            hf = PreTrainedTokenizerFast(tokenizer_object=backend, **hf_args)
     stop_ids = {vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab and token_types[vocab[t]] == _TOKEN_CONTROL}
     stop_ids |= {
         int(meta[f"tokenizer.ggml.{key}_token_id"])
@@ -224,4 +312,4 @@ def build_tokenizer(meta: dict):
     return TokenizerWrapper(hf, detokenizer_class=detokenizer_class, eos_token_ids=sorted(stop_ids))
 
 
-__all__ = ["BPE_PRE_TOKENIZERS", "GEMMA_CHAT_TEMPLATE", "build_tokenizer"]
+__all__ = ["BPE_PRE_TOKENIZERS", "GEMMA_CHAT_TEMPLATE", "build_tokenizer", "cache_key"]
