@@ -154,6 +154,8 @@ def write_gguf(path, model, args, arch, vocab, quant=None):
         w = np.array(value, dtype=np.float32)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute(w, n_head if "q_proj" in hf_name else n_kv)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            w = w + 1.0  # llama.cpp stores Gemma's RMSNorm scale as 1 + w
         kind = quant(hf_name, w) if quant else None
         if kind:
             qtype = gguf.GGMLQuantizationType[kind]
@@ -369,6 +371,32 @@ def test_tokenizer_cache_key_follows_the_metadata(tmp_path):
         assert gguf_tokenizer.cache_key({**meta, name: value}) != key
     # what the backend does not read (the chat template, the architecture) keeps the key
     assert gguf_tokenizer.cache_key({**meta, "tokenizer.chat_template": "x", "general.architecture": "qwen2"}) == key
+
+
+def test_gemma3_legacy_quants_compute_in_float32(tmp_path):
+    """A Gemma 3 file of Q8_0 tensors (read by mx.load, whose scales are float16), kept quantized:
+    its scales become float32, so the residual stream stays float32 as with Q4_K (repack)
+    and as dense.  The real Gemma 3 270M written as Q8_0 moved its logits by 0.5-0.7 of their
+    largest value with float16 scales, 3e-6 with float32."""
+    # six layers: mlx-lm's Gemma 3 takes every sixth layer as global (sliding_window_pattern)
+    model, args = _random_model("gemma3_text", 275, num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16,
+                                sliding_window=512, tie_word_embeddings=True)
+    path = tmp_path / "gemma3_q8.gguf"
+    write_gguf(path, model, args, "gemma3", _spm_vocab,
+               quant=lambda name, w: "Q8_0" if w.ndim == 2 else None)
+    dense, _ = models.load(path, dequantize=True)
+    loaded, _ = models.load(path, dequantize=False)
+    layer = loaded.model.layers[0].self_attn.o_proj
+    assert (layer.bits, layer.scales.dtype, loaded.model.embed_tokens.scales.dtype) == (8, mx.float32, mx.float32)
+    tokens = mx.array([[5, 17, 200, 3, 42, 99, 7, 64, 150, 11]])
+    assert loaded.model.embed_tokens(tokens).dtype == mx.float32
+    want, got = dense(tokens), loaded(tokens)
+    assert got.dtype == mx.float32
+    # the same Q8_0 values, dequantized or not: only summation order differs
+    assert mx.abs(want - got).max().item() <= 1e-4 * mx.abs(want).max().item()
+    # and the model is the one written, up to Q8_0's own error
+    ref = model(tokens)
+    assert mx.abs(ref - got).max().item() <= 0.05 * mx.abs(ref).max().item()
 
 
 def test_quantized_weights_load_for_new_archs(tmp_path):

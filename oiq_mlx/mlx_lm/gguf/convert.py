@@ -286,6 +286,11 @@ def load_gguf(path, *, dequantize: bool | None = None, tokenizer_cache=None):
             w = mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32),
                               group_size=repack.GROUP_SIZE, bits=bits)
         elif scales is not None:  # kept as it is (repack.affine or mx.load)
+            if arch == "gemma3":
+                # a quantized layer computes in its scales' dtype: mx.load's float16 scales would put
+                # Gemma 3's residual stream, which float16 does not hold, in float16 (repack.affine's
+                # are float32 already)
+                scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
             weights[f"{module}.scales"] = scales
             weights[f"{module}.biases"] = biases
             quant[module] = {"group_size": repack.GROUP_SIZE, "bits": int(bits)}
