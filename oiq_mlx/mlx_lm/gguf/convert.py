@@ -228,7 +228,9 @@ def load_gguf(path, *, dequantize: bool | None = None, tokenizer_cache=None):
             ``QuantizedLinear``/``QuantizedEmbedding`` (group 32; Q4_0, Q4_1,
             Q5_0, Q5_1, Q8_0, Q4_K and Q5_K tensors kept as they are, at their
             own bits, other quantized types such as Q6_K dequantized and
-            re-quantized to 8 bits, float tensors kept float);
+            re-quantized to 8 bits, float tensors kept float; float32 scales,
+            except the float16 ones ``mx.load`` gives a file of F32/F16/Q4_0/
+            Q4_1/Q8_0 tensors of an architecture other than gemma3);
             ``None`` -> ``False`` when Metal is available, else ``True``
             (quantized matmuls are ~10x slower on the CPU backend).
         tokenizer_cache: a directory where the rebuilt tokenizer is kept between loads
