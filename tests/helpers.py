@@ -156,13 +156,15 @@ class CharTokenizer:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
-def write_tiny_gguf(path, *, arch="llama", tensor_type=None):
+def write_tiny_gguf(path, *, arch="llama", tensor_type=None, vocab=None):
     """A small but complete GGUF file (header, metadata, one F32 tensor) at ``path``;
-    ``tensor_type`` overwrites the tensor's type id."""
+    ``tensor_type`` overwrites the tensor's type id; ``vocab(writer)`` adds a tokenizer's metadata."""
     from gguf import GGUFWriter
 
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(1)
+    if vocab is not None:
+        vocab(writer)
     writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -44,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core import codec, rotation
+from ..core.disk import write_atomically
 from . import dequantize as dequantize_module
 from . import decode_attention as attention_module
 from . import quantize as quantize_module
@@ -261,13 +262,7 @@ def _save(case: str, why: str | None) -> None:
     verdicts = _load()
     verdicts[case] = why
     data = {"mlx": mx.__version__, "device": _device_name(), "oiq_mlx": _package_version(), "verdicts": verdicts}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 # -- the checks: tiny inputs against the core reference --------------------------------------

@@ -23,6 +23,8 @@ from oiq_mlx.mlx_lm import models
 from oiq_mlx.mlx_lm.gguf import GGUFError, GGUFFile, build_tokenizer
 from oiq_mlx.mlx_lm.gguf import tokenizer as gguf_tokenizer
 
+from helpers import write_tiny_gguf
+
 # ---------------------------------------------------------------- reference: a llama.cpp-style writer
 
 
@@ -303,15 +305,7 @@ def test_unknown_bpe_pre_tokenizer_is_refused(tmp_path):
 
 
 def _vocab_only_meta(path, vocab):
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(1)
-    vocab(writer)
-    writer.add_tensor("output_norm.weight", np.ones(32, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return GGUFFile(path).metadata
+    return GGUFFile(write_tiny_gguf(path, vocab=vocab)).metadata
 
 
 def _same_tokenizer(got, want, text):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import warnings
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokeni
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from ...core.disk import write_atomically
 from .reader import GGUFError
 
 
@@ -211,21 +211,11 @@ def _read_cached(cache: Path, key: str, hf_args: dict):
 
 
 def _write_cached(cache: Path, key: str, text: str) -> Path | None:
-    """Save ``text`` as the tokenizer of ``key`` through a temporary file, removing older files
-    of that key; None (nothing written) where the directory cannot be written: the cache only
-    saves time."""
+    """Save ``text`` as the tokenizer of ``key``, removing older files of that key; None (nothing
+    written) where the directory cannot be written: the cache only saves time."""
     data = text.encode("utf-8")
     path = cache / f"{key}-{_content_tag(data)}.json"
-    partial = cache / f"{path.name}.{os.getpid()}.partial"
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        partial.write_bytes(data)
-        os.replace(partial, path)
-    except OSError:
-        try:
-            partial.unlink(missing_ok=True)
-        except OSError:  # the directory is not there, or not a directory
-            pass
+    if not write_atomically(path, data):
         return None
     for old in cache.glob(f"{key}-*.json"):
         if old != path:
