@@ -1,10 +1,22 @@
-"""Writing the files the package keeps between processes (kernel self-test verdicts, GGUF
-tokenizers): whole or not at all."""
+"""The files the package keeps between processes (kernel self-test verdicts, GGUF tokenizers,
+assembled model files): where they go, and writing them whole or not at all."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+CACHE_VARIABLE = "OIQ_MLX_CACHE"
+
+
+def cache_dir() -> Path:
+    """The package's cache folder: ``$OIQ_MLX_CACHE``, else ``$XDG_CACHE_HOME/oiq_mlx``, else
+    ``~/.cache/oiq_mlx``.  Assembled model files, GGUF tokenizers (``tokenizers/``) and the kernel
+    self-test's verdicts go there."""
+    folder = os.environ.get(CACHE_VARIABLE)
+    if folder:
+        return Path(folder)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oiq_mlx"
 
 
 def write_atomically(path: Path, data: bytes) -> bool:

@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..core import codec, rotation
-from ..core.disk import write_atomically
+from ..core import disk
 from . import dequantize as dequantize_module
 from . import decode_attention as attention_module
 from . import quantize as quantize_module
@@ -52,7 +52,7 @@ from . import source
 
 MODE_VARIABLE = "OIQ_MLX_KERNELS"
 MODES = ("auto", "reference", "kernels")
-DIR_VARIABLE = "OIQ_MLX_SELFTEST_DIR"  # where the verdicts are kept (default: the user cache folder)
+DIR_VARIABLE = "OIQ_MLX_SELFTEST_DIR"  # where the verdicts are kept (default: the package's cache folder)
 METAL_FILES = ("oiq_common.h", "quantize.metal", "dequantize.metal", "decode_attention.metal", "decode_merge.metal")
 # the host side of the same kernels (argument order and parameter words are part of what passed)
 # and this module (the checks themselves)
@@ -206,12 +206,10 @@ def _fail(case: str, why: str, cached: bool) -> None:
 
 
 def cache_path() -> Path:
-    """``$OIQ_MLX_SELFTEST_DIR``, else ``$XDG_CACHE_HOME/oiq_mlx``, else ``~/.cache/oiq_mlx``, then
-    ``selftest-<key>.json``: one file per MLX version, device, oiq_mlx version and kernel sources."""
+    """``$OIQ_MLX_SELFTEST_DIR``, else the package's cache folder (:func:`oiq_mlx.core.disk.cache_dir`),
+    then ``selftest-<key>.json``: one file per MLX version, device, oiq_mlx version and kernel sources."""
     folder = os.environ.get(DIR_VARIABLE)
-    if not folder:
-        folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "oiq_mlx"
-    return Path(folder) / f"selftest-{cache_key()[:16]}.json"
+    return Path(folder or disk.cache_dir()) / f"selftest-{cache_key()[:16]}.json"
 
 
 def cache_key() -> str:
@@ -262,7 +260,7 @@ def _save(case: str, why: str | None) -> None:
     verdicts = _load()
     verdicts[case] = why
     data = {"mlx": mx.__version__, "device": _device_name(), "oiq_mlx": _package_version(), "verdicts": verdicts}
-    write_atomically(path, json.dumps(data, indent=1, sort_keys=True).encode())
+    disk.write_atomically(path, json.dumps(data, indent=1, sort_keys=True).encode())
 
 
 # -- the checks: tiny inputs against the core reference --------------------------------------

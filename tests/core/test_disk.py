@@ -1,6 +1,33 @@
-"""core.disk.write_atomically: the whole file or nothing, never a partial one left behind."""
+"""core.disk: one cache folder for what the package keeps, and write_atomically: the whole file
+or nothing, never a partial one left behind."""
 
-from oiq_mlx.core.disk import write_atomically
+from pathlib import Path
+
+from oiq_mlx.core.disk import cache_dir, write_atomically
+from oiq_mlx.kernels import selftest
+from oiq_mlx.mlx_lm import models
+
+
+def test_cache_dir_follows_oiq_mlx_cache_then_xdg_then_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("OIQ_MLX_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    assert cache_dir() == tmp_path / "home" / ".cache" / "oiq_mlx"
+    monkeypatch.setenv("XDG_CACHE_HOME", "")  # empty is unset, as the XDG spec says
+    assert cache_dir() == tmp_path / "home" / ".cache" / "oiq_mlx"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_dir() == tmp_path / "xdg" / "oiq_mlx"
+    monkeypatch.setenv("OIQ_MLX_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
+
+
+def test_models_tokenizers_and_verdicts_share_the_folder(monkeypatch, tmp_path):
+    monkeypatch.setenv("OIQ_MLX_CACHE", str(tmp_path / "mine"))
+    monkeypatch.delenv(selftest.DIR_VARIABLE, raising=False)
+    assert models.cache_dir() == Path(tmp_path / "mine")
+    assert selftest.cache_path().parent == tmp_path / "mine"
+    monkeypatch.setenv(selftest.DIR_VARIABLE, str(tmp_path / "verdicts"))  # its own folder still wins
+    assert selftest.cache_path().parent == tmp_path / "verdicts"
 
 
 def test_writes_and_replaces_whole(tmp_path):
