@@ -6,7 +6,7 @@ query instead of un-rotating keys.
 
 The everyday API (``__all__``):
 
-- ``OIQConfig``, ``OIQConfig.preset("4bit" | "3bit" | "2bit" | "1.5bit")``: the cache configuration;
+- ``OIQConfig``, ``OIQConfig.preset("4bit" | "3bit" | "2bit" | "2bit-ppl" | "1.5bit")``: the cache configuration;
 - ``make_oiq_cache(model, config)``: a prompt-cache list for ``mlx_lm.generate``;
 - ``OIQKVCache``, ``BatchOIQKVCache``: the cache classes (one sequence, a batch);
 - ``end_prefill(cache)``, ``kv_memory(cache)``: pack a held prompt now; bytes held vs float16;

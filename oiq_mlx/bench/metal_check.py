@@ -53,7 +53,7 @@ from ..kernels.instantiations import production_instantiations
 from ..kernels.quantize import quantize
 from ..mlx_lm.prompt_files import load_cache_file, save_cache_file
 
-PRESETS = ("4bit", "3bit", "2bit", "1.5bit")
+PRESETS = ("4bit", "3bit", "2bit", "2bit-ppl", "1.5bit")
 PREFILL_STEP = 2048  # mlx_lm.generate's prefill_step_size
 # what changes the rows a cache writes, beside the preset (OIQConfig fields)
 WRITE_OPTIONS = ({}, {"clip": False}, {"align_scales": False}, {"key_alignment": 0.5}, {"center_keys": False},

@@ -111,7 +111,7 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
         "see docs/configuration.md.",
     )
     o.add_argument("--preset", default=None,
-                   help="named configuration: 4bit, 3bit, 2bit or 1.5bit (see OIQConfig.preset)")
+                   help="named configuration: 4bit, 3bit, 2bit, 2bit-ppl or 1.5bit (see OIQConfig.preset)")
     o.add_argument("--k-bits", type=int, default=None, help="bits per key coordinate: 1, 2, 3, 4, 5, 6 or 8")
     o.add_argument("--v-bits", type=int, default=None, help="bits per value coordinate: 1, 2, 3, 4, 5, 6 or 8")
     o.add_argument("--group-size", type=int, default=None, help="coordinates per float16 scale: 32, 64 or 128")
@@ -127,8 +127,9 @@ def add_oiq_options(p: argparse.ArgumentParser) -> None:
                         "of the scores of matching keys); see OIQConfig")
     o.add_argument("--key-alignment", type=float, choices=(0.0, 0.5, 1.0), default=None,
                    help="with --align-scales, how far the keys' scales go to the aligned one: 1 all the way "
-                        "(every preset but 1.5bit), 0.5 half way (the mean of the aligned and the clip search's "
-                        "scale; 1.5bit), 0 not at all; values take the aligned scale (see docs/configuration.md)")
+                        "(every preset but 2bit-ppl and 1.5bit), 0.5 half way (the mean of the aligned and the "
+                        "clip search's scale; 2bit-ppl, 1.5bit), 0 not at all; values take the aligned scale "
+                        "(see docs/configuration.md)")
     o.add_argument("--center-keys", action=argparse.BooleanOptionalAction, default=None,
                    help="subtract the per-channel key mean (exact for attention)")
     o.add_argument("--center-values", action=argparse.BooleanOptionalAction, default=None,

@@ -13,6 +13,7 @@ import pytest
 from oiq_mlx.bench import bytes as moved
 from oiq_mlx.bench import latency as bench
 from oiq_mlx.bench import trace
+from oiq_mlx.eval.specs import parse_spec
 
 SHAPE = dict(n_q_heads=8, n_kv_heads=2, head_dim=128)
 PRESETS = ["4bit", "3bit", "2bit"]
@@ -133,3 +134,14 @@ def test_goal_ragged_batch_within_1_15x_of_separate_caches(records, preset):
     rows; mlx-lm's BatchKVCache (left-padded) reads the padding: about twice its caches apart."""
     assert _row(records, f"oiq-{preset}", RAGGED, "batch")["vs_separate"] <= 1.15
     assert _row(records, "fp", RAGGED, "batch")["vs_separate"] <= 2.1
+
+
+def test_2bit_ppl_moves_what_2bit_moves():
+    """2bit-ppl only stores other key scales: a decode step reads and writes the same arrays."""
+    specs = [parse_spec("preset:2bit"), parse_spec("preset:2bit-ppl")]
+    records = moved.bytes_per_step(specs, contexts=(1024,), ragged=(256, 512), n_q_heads=4, n_kv_heads=2,
+                                   head_dim=64, steps=32)
+    by_cache = {}
+    for r in records:
+        by_cache.setdefault(r["cache"], []).append({k: v for k, v in r.items() if k != "cache"})
+    assert len(by_cache["preset:2bit"]) == 3 and by_cache["preset:2bit"] == by_cache["preset:2bit-ppl"]

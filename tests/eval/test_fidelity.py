@@ -19,7 +19,7 @@ from oiq_mlx.eval.specs import parse_spec
 
 
 @pytest.mark.parametrize("name, d64, d128", [("4bit", 72, 144), ("3bit", 56, 112), ("2bit", 40, 80),
-                                             ("1.5bit", 32, 64)])
+                                             ("2bit-ppl", 40, 80), ("1.5bit", 32, 64)])
 def test_preset_bytes_per_token(name, d64, d128):
     cfg = OIQConfig.preset(name)
     assert cfg.bytes_per_token(64) == d64
@@ -36,6 +36,12 @@ def test_presets_are_valid_configs_and_overridable():
         OIQConfig.preset("fp8")
     with pytest.raises(ValueError):
         OIQConfig.preset("3bit", k_bits=7)
+
+
+def test_2bit_ppl_is_2bit_with_keys_half_way():
+    # what docs/results.md measured as preset:2bit[key_alignment=0.5]
+    assert OIQConfig.preset("2bit-ppl") == OIQConfig.preset("2bit", key_alignment=0.5)
+    assert parse_spec("preset:2bit-ppl").oiq == parse_spec("preset:2bit[key_alignment=0.5]").oiq
 
 
 def test_presets_fit_mlx_budgets():
