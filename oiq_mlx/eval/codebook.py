@@ -179,7 +179,7 @@ def packing_through(reconstruct_rows):
 def packed_errors(rows: dict, config, books: dict, progress=None, align: float = 0.0) -> dict:
     """Relative squared errors ``||x - x_hat||^2 / ||x||^2`` on the packed rows ``rows``
     (:func:`oiq_mlx.eval.rotation.packed_rows` of a cache of ``config``), per side: ``config``'s
-    own quantizer (clip search, aligned scales; named ``"preset"``), then each of ``books``
+    own quantizer (clip search, each side's scale alignment; named ``"preset"``), then each of ``books``
     (``{name: codebook}``) at ``config``'s group size, scales aligned by ``align``
     (:func:`reconstruct`).  Returns ``{"codebook_errors": {side:
     {name: error}}, "bytes": {name: bytes per token and KV head}}``."""
@@ -190,7 +190,7 @@ def packed_errors(rows: dict, config, books: dict, progress=None, align: float =
         x = mx.array(np.concatenate([r.reshape(-1, d) for (_, s), (r, _) in sorted(rows.items()) if s == side])
                      .astype(np.float32))
         den = float(mx.sum(x * x))
-        e = {"preset": quant_error(np.array(x), bits, config)[0] / den}
+        e = {"preset": quant_error(np.array(x), bits, config, side)[0] / den}
         for v, book in books.items():
             if progress is not None:
                 progress(f"{name}: {v}")

@@ -67,14 +67,17 @@ def packed_rows(model, tokens, config: OIQConfig) -> dict:
     return out
 
 
-def quant_error(x: np.ndarray, bits: int, config: OIQConfig, block: int = 64) -> tuple[float, float]:
-    """``config``'s quantizer (clip search, aligned scales) at ``bits`` on rows ``x`` (n x d):
-    ``||x - x_hat||^2``, and how much the error survives averaging over ``block`` consecutive
-    rows, as attention's weighted sums average it: ``block**2`` x the squared error of the
-    block means over the squared error of the rows (1 when the rows' errors are independent,
-    ``block`` when every row of a block errs alike)."""
+def quant_error(x: np.ndarray, bits: int, config: OIQConfig, side: str, block: int = 64) -> tuple[float, float]:
+    """``config``'s quantizer (clip search; the scale alignment of ``side``, ``"k"`` or ``"v"``)
+    at ``bits`` on rows ``x`` (n x d): ``||x - x_hat||^2``, and how much the error survives
+    averaging over ``block`` consecutive rows, as attention's weighted sums average it:
+    ``block**2`` x the squared error of the block means over the squared error of the rows (1
+    when the rows' errors are independent, ``block`` when every row of a block errs alike)."""
+    if side not in SIDES:
+        raise ValueError(f"side must be one of {tuple(SIDES)}, got {side!r}")
+    align = config.scale_alignment[0 if side == "k" else 1]
     codes, scales = quantize(mx.array(np.asarray(x, np.float32)), bits, config.group_size, clip=config.clip,
-                             align=config.align_scales)
+                             align=align)
     e = x - np.array(dequantize(codes, scales, bits=bits, group_size=config.group_size)).astype(np.float64)
     sq = float((e ** 2).sum())
     n = e.shape[0] // block * block
@@ -100,7 +103,7 @@ def packed_errors(calib: dict, held: dict, config: OIQConfig, *, eval_from: int,
             den = float((test ** 2).sum())
             for name, r in (("hadamard", None), ("calibration text", procrustes(calib[(layer, side)][0][h])),
                             ("own first rows", procrustes(x[h, :online]))):
-                sq, corr = quant_error(test if r is None else test @ r, bits, config)
+                sq, corr = quant_error(test if r is None else test @ r, bits, config, side)
                 errs.setdefault(SIDES[side], {}).setdefault(name, []).append(sq / den)
                 blocks.setdefault(SIDES[side], {}).setdefault(name, []).append(corr)
         if progress is not None:

@@ -6,6 +6,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from oiq_mlx.core import codec
 from oiq_mlx.core.config import OIQConfig
 from oiq_mlx.eval import rotation
 from oiq_mlx.eval.sweep import tiny_qwen2
@@ -89,8 +90,8 @@ def test_packed_errors_reports_every_side_and_rotation(tiny):
 def test_block_error_tells_independent_errors_from_shared_ones():
     rng = np.random.default_rng(1)
     cfg = OIQConfig.preset("2bit")
-    _, independent = rotation.quant_error(rng.standard_normal((640, 64)), 2, cfg)
-    _, shared = rotation.quant_error(np.tile(rng.standard_normal((1, 64)), (640, 1)), 2, cfg)
+    _, independent = rotation.quant_error(rng.standard_normal((640, 64)), 2, cfg, "v")
+    _, shared = rotation.quant_error(np.tile(rng.standard_normal((1, 64)), (640, 1)), 2, cfg, "v")
     assert 0.7 < independent < 1.4
     assert shared == pytest.approx(64.0)
 
@@ -101,3 +102,19 @@ def test_fold_refuses_quantized_projections():
     rows = rotation.packed_rows(model, list(range(40)), OIQConfig.preset("2bit"))
     with pytest.raises(ValueError, match="dense v_proj"):
         rotation.fold_value_rotations(model, rows)
+
+
+def test_quant_error_quantizes_each_side_as_the_cache_does():
+    """Keys take the config's key alignment (half way in 2bit-ppl), values the aligned scale."""
+    x = np.random.default_rng(2).standard_normal((64, 64))
+    cfg = OIQConfig.preset("2bit-ppl")
+
+    def error(align):
+        codes, scales = codec.quantize(mx.array(x.astype(np.float32)), 2, 32, clip=True, align=align)
+        return float(((x - np.array(codec.dequantize(codes, scales, bits=2, group_size=32))) ** 2).sum())
+
+    assert rotation.quant_error(x, 2, cfg, "k")[0] == pytest.approx(error(0.5), rel=1e-6)
+    assert rotation.quant_error(x, 2, cfg, "v")[0] == pytest.approx(error(1.0), rel=1e-6)
+    assert error(0.5) != pytest.approx(error(1.0), rel=1e-3)
+    with pytest.raises(ValueError, match="side"):
+        rotation.quant_error(x, 2, cfg, "keys")
