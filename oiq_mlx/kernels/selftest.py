@@ -43,8 +43,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..core import codec, rotation
-from ..core import disk
+from ..core import codec, disk, rotation
 from . import dequantize as dequantize_module
 from . import decode_attention as attention_module
 from . import quantize as quantize_module
