@@ -31,7 +31,8 @@ from ..mlx_lm.models import resolve_model
 from ..mlx_lm.prompt_files import load_cache_file
 from .options import (DEFAULT_MODEL, ArgumentParser, HelpFormatter, UsageError, add_model_options, add_oiq_options, build_cache,
                       cache_label, check_no_oiq, config_from_args, count_arg, exit_process, load_from_args, memory_line, oiq_options_given,
-                      positive_arg, probability_arg, read_prompt, run, seed_arg, temperature_arg, top_p_arg)
+                      positive_arg, preset_label, probability_arg, read_prompt, run, seed_arg, temperature_arg,
+                      top_p_arg)
 
 # how long a rank > 0 waits before it exits on an input error, so that rank 0 reports it
 RANK_GRACE_S = 2.0
@@ -244,7 +245,7 @@ def _generate(args, prompt: str, shard_run) -> int:
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec",
               file=sys.stderr)
         print(f"Peak memory: {response.peak_memory:.3f} GB", file=sys.stderr)
-        label = cache_label(cache) + (f", preset {args.preset}" if args.preset else "")
+        label = cache_label(cache) + preset_label(args)
         print(memory_line(cache, label), file=sys.stderr)
         if shard_run is not None:
             shard_run.print_kv_bytes(cache)

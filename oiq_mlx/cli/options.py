@@ -274,6 +274,15 @@ def cache_label(cache) -> str:
     return label
 
 
+def preset_label(args) -> str:
+    """``, preset NAME`` for the memory line, with the fields the options set on top of it
+    (``, preset 2bit-ppl with align_scales=False, key_alignment=1.0``); empty without --preset."""
+    if args.preset is None:
+        return ""
+    given = [f"{field}={getattr(args, a)}" for a, field in _OIQ_FIELDS.items() if getattr(args, a) is not None]
+    return f", preset {args.preset}" + (f" with {', '.join(given)}" if given else "")
+
+
 def memory_line(cache, label: str) -> str:
     """``KV cache (label): N MiB held, M MiB for fp16 at these T tokens, X times smaller``.
 

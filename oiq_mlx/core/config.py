@@ -253,7 +253,8 @@ class OIQConfig:
         object.__setattr__(self, "key_alignment", float(self.key_alignment))
         if self.key_alignment != 1.0 and not self.align_scales:
             raise ValueError(f"key_alignment={self.key_alignment} sets how far aligned key scales go: it needs "
-                             "align_scales=True")
+                             "align_scales=True (to turn aligned scales off for keys and values, set "
+                             "key_alignment=1 too)")
         object.__setattr__(self, "layer_bits", _parse_layer_bits(self.layer_bits))
 
     def _check_fp4(self):

@@ -443,7 +443,8 @@ def test_full_precision_rows_allocated_stay_at_window_plus_reserve(preset, windo
         (dict(key_alignment=0.25), "key_alignment must be 0, 0.5 or 1, got 0.25"),
         (dict(key_alignment=True), "key_alignment must be 0, 0.5 or 1, got True"),
         (dict(key_alignment="0.5"), "key_alignment must be 0, 0.5 or 1, got '0.5'"),
-        (dict(align_scales=False, key_alignment=0.5), "key_alignment=0.5 .* needs align_scales=True"),
+        (dict(align_scales=False, key_alignment=0.5), r"key_alignment=0.5 .* needs align_scales=True \(.* set "
+                                                      "key_alignment=1 too"),
         (dict(key_scaling_cap=0.5), "key_scaling_cap must be 0 \\(no cap\\) or a number >= 1"),
         (dict(key_scaling_cap=float("nan")), "key_scaling_cap must be"),
         (dict(key_scaling_cap=True), "key_scaling_cap must be"),

@@ -207,6 +207,18 @@ def test_options_build_the_config():
     assert cfg == OIQConfig.preset("2bit", layer_bits=((4, 3, 3), (8, 4, 3)))
 
 
+def test_preset_label_names_what_the_options_set_on_top():
+    from oiq_mlx.cli.generate import build_parser
+    from oiq_mlx.cli.options import preset_label
+
+    parse = build_parser().parse_args
+    assert preset_label(parse([])) == ""
+    assert preset_label(parse(["--window", "16"])) == ""  # no preset: cache_label says what it stores
+    assert preset_label(parse(["--preset", "2bit-ppl"])) == ", preset 2bit-ppl"
+    assert preset_label(parse(["--preset", "2bit-ppl", "--no-align-scales", "--key-alignment", "1"])) == \
+        ", preset 2bit-ppl with align_scales=False, key_alignment=1.0"
+
+
 def test_scripts_create_the_json_folder_before_running(tmp_path):
     target = tmp_path / "new" / "folder" / "out.json"
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_metal.py"), "--json", str(target)],
