@@ -241,7 +241,8 @@ def test_cli_layer_bits_auto_end_to_end():
     assert len(line) == 1 and "(budget 41)" in line[0], err
     chosen = line[0].split(": ", 1)[1].split(";")[0]
     assert chosen != "none (uniform)" and chosen.count(":K3V3") >= 1, line
-    assert f"KV cache (OIQ K2V2 g32, layers {chosen}, preset 2bit)" in err, err
+    assert (f"KV cache (OIQ K2V2 g32, layers {chosen}, preset 2bit with sink_tokens=2, window=8, "
+            "layer_bits=auto:41)") in err, err
     rc, _, err = _cli("--preset", "2bit", "--layer-bits", "auto", "-m", "1", "-p", "hi")
     need = 2 * (4 + OIQConfig.preset("2bit").window + 16)
     assert rc == 2 and f"--layer-bits auto: calibrating layer_bits needs a prompt of at least {need} tokens" in err, err
